@@ -1,0 +1,49 @@
+# Entry points for developers and CI. Every target installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install vllm apply export check-patches test demo lint clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+vllm/.git: patches/vllm/series tools/vllm_tree.py tools/fetch_vllm_sdist.py
+	$(PYTHON) tools/vllm_tree.py materialize
+	@touch $@
+
+# Installs torch 2.8.0, the patched vLLM python-only and editable, the plugin
+# editable and the dev tools. Re-runs only when a requirements file changes.
+$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt setup.py
+	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt
+	SETUPTOOLS_SCM_PRETEND_VERSION=0.11.0 VLLM_TARGET_DEVICE=empty \
+	  $(PY) -m pip install --no-build-isolation -e ./vllm -c requirements-build.txt
+	$(PY) -m pip install --no-build-isolation -e . -c requirements-build.txt
+	@touch $@
+
+install: $(STAMP)
+
+vllm: vllm/.git
+
+apply: vllm/.git
+	$(PYTHON) tools/vllm_tree.py apply
+
+export:
+	$(PYTHON) tools/vllm_tree.py export
+
+check-patches: $(STAMP)
+	$(PY) tools/vllm_tree.py check
+
+test: $(STAMP) apply
+	$(PY) -m pytest -q tests
+	$(PY) tools/vllm_tree.py check
+
+lint: $(STAMP)
+	$(PY) -m ruff check vllm_ascend tests tools
+
+clean:
+	rm -rf $(VENV) vllm
+
+demo: $(STAMP) apply
+	$(PY) tools/demo_spec_config.py

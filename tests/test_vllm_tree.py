@@ -1,0 +1,70 @@
+"""The patch series tool: stable export, and a check that catches bad patches."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import vllm_tree  # noqa: E402
+
+
+def test_export_after_apply_is_byte_identical(tmp_path):
+    exported = vllm_tree.export_to(tmp_path)
+    wanted = vllm_tree.series_patches()
+    assert [p.name for p in exported] == [p.name for p in wanted]
+    for new, old in zip(exported, wanted):
+        assert new.read_bytes() == old.read_bytes(), new.name
+
+
+def test_tree_is_pristine_tag_plus_series():
+    count = vllm_tree.git("rev-list", "--count",
+                          f"{vllm_tree.BASE_TAG}..HEAD").strip()
+    assert int(count) == len(vllm_tree.series_patches())
+
+
+def _copy_series(tmp_path: Path, mutate) -> Path:
+    patches = vllm_tree.series_patches()
+    for p in patches:
+        (tmp_path / p.name).write_text(mutate(p.name, p.read_text()))
+    (tmp_path / "series").write_text("".join(f"{p.name}\n" for p in patches))
+    return tmp_path / "series"
+
+
+def _check(series: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([
+        sys.executable,
+        str(ROOT / "tools" / "vllm_tree.py"), "check", "--no-tests",
+        "--series", str(series)
+    ], capture_output=True, text=True)
+
+
+def test_check_passes_on_the_series(tmp_path):
+    proc = _check(_copy_series(tmp_path, lambda _, text: text))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_check_fails_on_a_patch_that_does_not_apply(tmp_path):
+    first = vllm_tree.series_patches()[0].name
+
+    def corrupt(name, text):
+        if name != first:
+            return text
+        # Change a removed line so the hunk no longer matches v0.11.0.
+        return text.replace("\n-MTP_MODEL_TYPES = (", "\n-MTP_MODEL_TYPES = [", 1)
+
+    proc = _check(_copy_series(tmp_path, corrupt))
+    assert proc.returncode != 0
+    assert "does not apply" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("what,mutate", [
+    ("Signed-off-by", lambda t: t.replace("Signed-off-by:", "Reviewed:")),
+    ("[Tag]", lambda t: t.replace("Subject: [Spec Decode] ", "Subject: ", 1)),
+])
+def test_check_fails_on_bad_metadata(tmp_path, what, mutate):
+    proc = _check(_copy_series(tmp_path, lambda _, text: mutate(text)))
+    assert proc.returncode != 0
+    assert what in proc.stdout + proc.stderr

@@ -1,0 +1,256 @@
+"""Materialize, export and check the patched vLLM tree.
+
+``vllm/`` is a git repository whose first commit is the pristine v0.11.0
+source distribution (tagged ``v0.11.0``) and whose following commits are the
+patches listed in ``patches/vllm/series``, one commit per patch. Subcommands:
+
+* ``materialize``: create ``vllm/`` if missing (needs the cached sdist).
+* ``apply``: reset ``vllm/`` to the pristine tag and ``git am`` the series.
+* ``export``: write ``v0.11.0..HEAD`` back to ``patches/vllm/`` with
+  ``git format-patch`` in a stable form (re-exporting changes no file).
+* ``check``: every patch applies on the pristine tag, has a ``[Tag]`` subject,
+  a body and ``Signed-off-by``; and each prefix of the series passes the
+  tests that its patches add or touch (bisectable).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fetch_vllm_sdist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE = ROOT / "vllm"
+PATCH_DIR = ROOT / "patches" / "vllm"
+SERIES = PATCH_DIR / "series"
+BASE_TAG = "v0.11.0"
+# Fixed identity and date for the pristine commit, so that its hash (and so
+# every ``git am`` on top of it) is the same on every machine.
+BASE_ENV = {
+    "GIT_AUTHOR_NAME": "vLLM release",
+    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2025-10-02T00:00:00+00:00",
+    "GIT_COMMITTER_NAME": "vLLM release",
+    "GIT_COMMITTER_EMAIL": "release@vllm.invalid",
+    "GIT_COMMITTER_DATE": "2025-10-02T00:00:00+00:00",
+}
+SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][A-Za-z0-9 ._/-]*\] \S")
+FORMAT_PATCH_ARGS = [
+    "format-patch", "--no-signature", "--zero-commit", "--full-index",
+    "--no-renames", "--encoding=UTF-8",
+    "--keep-subject",
+]
+
+
+def git(*args: str, cwd: Path = TREE, env: dict | None = None,
+        check: bool = True, capture: bool = True) -> str:
+    full_env = dict(os.environ, **(env or {}))
+    proc = subprocess.run(["git", *args], cwd=cwd, env=full_env, text=True,
+                          capture_output=capture)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed in {cwd}:\n"
+                         f"{proc.stdout or ''}{proc.stderr or ''}")
+    return proc.stdout if capture else ""
+
+
+def series_patches(series: Path = SERIES) -> list[Path]:
+    if not series.exists():
+        return []
+    names = [
+        line.strip() for line in series.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    missing = [n for n in names if not (series.parent / n).exists()]
+    if missing:
+        raise SystemExit(f"{series} lists missing patches: {missing}")
+    return [series.parent / n for n in names]
+
+
+def init_pristine(dest: Path, sdist: Path) -> None:
+    """Unpack the sdist into ``dest`` and commit it as the pristine tag."""
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        top = f"vllm-{fetch_vllm_sdist.VERSION}/"
+        for member in tar.getmembers():
+            if not member.name.startswith(top):
+                continue
+            member.name = member.name[len(top):]
+            if member.name:
+                tar.extract(member, dest, filter="data")
+    git("init", "-q", "-b", "main", cwd=dest)
+    for key, value in (("user.name", "vllm-ascend developer"),
+                       ("user.email", "dev@vllm-ascend.invalid"),
+                       ("core.autocrlf", "false")):
+        git("config", key, value, cwd=dest)
+    git("add", "-A", "-f", ".", cwd=dest)
+    git("commit", "-q", "--no-verify", "-m",
+        f"vLLM {BASE_TAG} (pristine source distribution)", cwd=dest,
+        env=BASE_ENV)
+    git("tag", BASE_TAG, cwd=dest)
+
+
+def am_series(tree: Path, patches: list[Path]) -> None:
+    for patch in patches:
+        proc = subprocess.run(
+            ["git", "am", "-q", "--keep-cr", "--committer-date-is-author-date",
+             str(patch)], cwd=tree, capture_output=True, text=True)
+        if proc.returncode != 0:
+            subprocess.run(["git", "am", "--abort"], cwd=tree,
+                           capture_output=True)
+            raise SystemExit(f"{patch.name} does not apply:\n"
+                             f"{proc.stdout}{proc.stderr}")
+
+
+def cmd_materialize(_: argparse.Namespace) -> None:
+    if (TREE / ".git").exists():
+        return
+    if TREE.exists():
+        raise SystemExit(f"{TREE} exists but is not a git repository; move it "
+                         "away and run again")
+    sdist = fetch_vllm_sdist.fetch(fetch_vllm_sdist.default_cache_dir())
+    init_pristine(TREE, sdist)
+    am_series(TREE, series_patches())
+    print(f"materialized {TREE} at {BASE_TAG} + "
+          f"{len(series_patches())} patches")
+
+
+def cmd_apply(_: argparse.Namespace) -> None:
+    cmd_materialize(_)
+    if git("status", "--porcelain"):
+        raise SystemExit(f"{TREE} has uncommitted changes; commit and export "
+                         "them, or discard them, before re-applying")
+    exported = export_to(Path(tempfile.mkdtemp()))
+    current = {p.name: p.read_bytes() for p in exported}
+    wanted = {p.name: p.read_bytes() for p in series_patches()}
+    if current == wanted:
+        return
+    if current and set(current) - set(wanted) | {
+            n for n in current if n in wanted and current[n] != wanted[n]}:
+        backup = f"backup/{git('rev-parse', '--short', 'HEAD').strip()}"
+        git("branch", "-f", backup)
+        print(f"unexported commits kept on branch {backup}")
+    git("reset", "-q", "--hard", BASE_TAG)
+    am_series(TREE, series_patches())
+    print(f"applied {len(wanted)} patches on {BASE_TAG}")
+
+
+def export_to(out_dir: Path, tree: Path = TREE) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = git(*FORMAT_PATCH_ARGS, "-o", str(out_dir), f"{BASE_TAG}..HEAD",
+                cwd=tree).split()
+    return [Path(n) for n in names]
+
+
+def cmd_export(_: argparse.Namespace) -> None:
+    if git("status", "--porcelain"):
+        raise SystemExit(f"{TREE} has uncommitted changes: commit them there "
+                         "first (one commit per patch)")
+    with tempfile.TemporaryDirectory() as tmp:
+        new = export_to(Path(tmp))
+        PATCH_DIR.mkdir(parents=True, exist_ok=True)
+        new_names = {p.name for p in new}
+        for old in PATCH_DIR.glob("*.patch"):
+            if old.name not in new_names:
+                old.unlink()
+        changed = 0
+        for patch in new:
+            dest = PATCH_DIR / patch.name
+            if not dest.exists() or dest.read_bytes() != patch.read_bytes():
+                shutil.copyfile(patch, dest)
+                changed += 1
+    series = "".join(f"{p.name}\n" for p in new)
+    if not SERIES.exists() or SERIES.read_text() != series:
+        SERIES.write_text(series)
+        changed += 1
+    print(f"exported {len(new)} patches ({changed} files changed)")
+
+
+def patch_problems(patch: Path) -> list[str]:
+    """Metadata rules every patch of the series follows."""
+    text = patch.read_text(encoding="utf-8")
+    header, _, rest = text.partition("\n\n")
+    subject = re.search(r"^Subject: (.*(?:\n .*)*)", header, re.M)
+    subject_text = re.sub(r"\s*\n\s+", " ", subject.group(1)) if subject \
+        else ""
+    subject_text = re.sub(r"^\[PATCH[^\]]*\] ", "", subject_text)
+    body = rest.split("\n---\n", 1)[0]
+    problems = []
+    if not SUBJECT_RE.match(subject_text):
+        problems.append(f"subject {subject_text!r} has no leading [Tag]")
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    prose = [ln for ln in lines if not re.match(r"^[\w-]+-by: ", ln)]
+    if not prose:
+        problems.append("no body saying why")
+    if not any(ln.startswith("Signed-off-by: ") for ln in lines):
+        problems.append("no Signed-off-by")
+    return problems
+
+
+def tests_of(patch: Path) -> list[str]:
+    """Test files (vLLM's tests/ layout) that a patch adds or changes."""
+    files = re.findall(r"^\+\+\+ b/(tests/\S+\.py)$", patch.read_text(), re.M)
+    return sorted({f for f in files if Path(f).name.startswith("test_")})
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    patches = series_patches(args.series)
+    failures = []
+    for patch in patches:
+        failures += [f"{patch.name}: {p}" for p in patch_problems(patch)]
+    if failures:
+        raise SystemExit("series check failed:\n  " + "\n  ".join(failures))
+    sdist = fetch_vllm_sdist.fetch(fetch_vllm_sdist.default_cache_dir())
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "vllm"
+        init_pristine(tree, sdist)
+        tests: list[str] = []
+        for i, patch in enumerate(patches, 1):
+            am_series(tree, [patch])
+            tests = sorted(set(tests) | set(tests_of(patch)))
+            print(f"[{i}/{len(patches)}] {patch.name} applies", flush=True)
+            if args.no_tests or not tests:
+                continue
+            run_tests(tree, tests, label=patch.name)
+    print(f"series check passed: {len(patches)} patches")
+
+
+def run_tests(tree: Path, tests: list[str], label: str) -> None:
+    """Run ``tests`` against ``tree`` by putting it first on the path.
+
+    The installed vLLM is python-only, so the checked-out prefix shadows it
+    without a reinstall.
+    """
+    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}"
+               f"{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         *tests], cwd=tree, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"tests fail with the series up to {label}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("materialize").set_defaults(func=cmd_materialize)
+    sub.add_parser("apply").set_defaults(func=cmd_apply)
+    sub.add_parser("export").set_defaults(func=cmd_export)
+    check = sub.add_parser("check")
+    check.add_argument("--series", type=Path, default=SERIES)
+    check.add_argument("--no-tests", action="store_true",
+                       help="only check that the series applies and its "
+                       "metadata")
+    check.set_defaults(func=cmd_check)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Choose the device the plugin runs on: an Ascend NPU or the CPU reference.
+
+The choice is made once per process and never falls back silently: a host
+where torch_npu is installed but does not import is an error, and so is a
+forced ``npu`` without torch_npu.
+"""
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from vllm_ascend import envs
+
+logger = init_logger(__name__)
+
+DEVICES = ("auto", "npu", "cpu")
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device_type: str  # "npu" or "cpu"
+    dist_backend: str  # "hccl" or "gloo"
+    reason: str
+
+    @property
+    def is_npu(self) -> bool:
+        return self.device_type == "npu"
+
+
+NPU = ("npu", "hccl")
+CPU = ("cpu", "gloo")
+
+
+def _npu_device_count() -> int:
+    """Import torch_npu; raise with a clear message if it is broken."""
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+    except Exception as exc:
+        raise RuntimeError(
+            f"torch_npu is installed but failed to import ({exc!r}). Fix the "
+            "CANN/torch_npu installation (source the CANN set_env.sh and "
+            "install the torch_npu matching torch), or set "
+            f"{envs.VLLM_ASCEND_DEVICE_ENV}=cpu to run on the CPU reference "
+            "device.") from exc
+    return torch.npu.device_count()
+
+
+def choose(requested: str, torch_npu_installed: bool) -> DeviceChoice:
+    if requested not in DEVICES:
+        raise ValueError(
+            f"{envs.VLLM_ASCEND_DEVICE_ENV}={requested!r} is not a device "
+            f"vllm_ascend knows; use one of {', '.join(DEVICES)}.")
+    if requested == "cpu":
+        return DeviceChoice(*CPU, reason=f"{envs.VLLM_ASCEND_DEVICE_ENV}=cpu")
+    if not torch_npu_installed:
+        if requested == "npu":
+            raise RuntimeError(
+                f"{envs.VLLM_ASCEND_DEVICE_ENV}=npu but torch_npu is not "
+                "installed: install requirements-npu.txt on an Ascend host, "
+                f"or unset {envs.VLLM_ASCEND_DEVICE_ENV}.")
+        return DeviceChoice(*CPU, reason="torch_npu is not installed")
+    count = _npu_device_count()
+    if count > 0:
+        return DeviceChoice(*NPU, reason=f"torch_npu sees {count} NPU(s)")
+    if requested == "npu":
+        raise RuntimeError(
+            f"{envs.VLLM_ASCEND_DEVICE_ENV}=npu but torch_npu sees no NPU: "
+            "check the driver (npu-smi info) and ASCEND_RT_VISIBLE_DEVICES.")
+    return DeviceChoice(*CPU, reason="torch_npu sees no NPU")
+
+
+@functools.cache
+def current() -> DeviceChoice:
+    choice = choose(envs.requested_device(),
+                    importlib.util.find_spec("torch_npu") is not None)
+    logger.info("vllm_ascend runs on %s (%s).", choice.device_type,
+                choice.reason)
+    return choice
