@@ -19,6 +19,8 @@ $(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.t
 	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt -c requirements-lock.txt
 	SETUPTOOLS_SCM_PRETEND_VERSION=0.11.0 VLLM_TARGET_DEVICE=empty \
 	  $(PY) -m pip install --no-build-isolation -e ./vllm -c requirements-build.txt -c requirements-lock.txt
+	# setuptools-scm rewrites vllm/_version.py; keep the tree as committed.
+	git -C vllm checkout -- vllm/_version.py
 	$(PY) -m pip install --no-build-isolation -e . -c requirements-build.txt -c requirements-lock.txt
 	@touch $@
 
