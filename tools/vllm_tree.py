@@ -99,7 +99,7 @@ def init_pristine(dest: Path, sdist: Path) -> None:
 def am_series(tree: Path, patches: list[Path]) -> None:
     for patch in patches:
         proc = subprocess.run(
-            ["git", "am", "-q", "--keep-cr", "--committer-date-is-author-date",
+            ["git", "am", "-q", "-k", "--keep-cr", "--committer-date-is-author-date",
              str(patch)], cwd=tree, capture_output=True, text=True)
         if proc.returncode != 0:
             subprocess.run(["git", "am", "--abort"], cwd=tree,
