@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PIP_PINS := -c requirements-build.txt -c requirements-lock.txt
 
 .PHONY: install vllm apply export check-patches test demo lint clean
 
@@ -15,13 +16,13 @@ vllm/.git: patches/vllm/series tools/vllm_tree.py tools/fetch_vllm_sdist.py
 
 # Installs torch 2.8.0, the patched vLLM python-only and editable, the plugin
 # editable and the dev tools. Re-runs only when a requirements file changes.
-$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py
-	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt -c requirements-lock.txt
+$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py pyproject.toml
+	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt $(PIP_PINS)
 	SETUPTOOLS_SCM_PRETEND_VERSION=0.11.0 VLLM_TARGET_DEVICE=empty \
-	  $(PY) -m pip install --no-build-isolation -e ./vllm -c requirements-build.txt -c requirements-lock.txt
+	  $(PY) -m pip install --no-build-isolation -e ./vllm $(PIP_PINS)
 	# setuptools-scm rewrites vllm/_version.py; keep the tree as committed.
 	git -C vllm checkout -- vllm/_version.py
-	$(PY) -m pip install --no-build-isolation -e . -c requirements-build.txt -c requirements-lock.txt
+	$(PY) -m pip install --no-build-isolation -e . $(PIP_PINS)
 	@touch $@
 
 install: $(STAMP)
