@@ -1,11 +1,29 @@
 """The vLLM platform of the plugin: an Ascend NPU or the CPU reference."""
 
+import os
+from typing import TYPE_CHECKING, Optional
+
 import torch
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_ascend import device
+from vllm_ascend.graph_sizes import align_capture_sizes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.platforms import _Backend
+else:
+    VllmConfig = None
+    _Backend = None
+
+logger = init_logger(__name__)
 
 _choice = device.current()
+
+# NPU kernels are tuned for 128-token blocks; the CPU reference device
+# defaults to 16 so that small test caches still have many blocks.
+DEFAULT_BLOCK_SIZE = 128 if _choice.is_npu else 16
 
 
 class AscendPlatform(Platform):
@@ -18,6 +36,10 @@ class AscendPlatform(Platform):
     device_control_env_var: str = ("ASCEND_RT_VISIBLE_DEVICES"
                                    if _choice.is_npu else "")
     simple_compile_backend: str = "eager"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
@@ -36,3 +58,92 @@ class AscendPlatform(Platform):
             return torch.npu.get_device_properties(device_id).total_memory
         import psutil
         return psutil.virtual_memory().total
+
+    @classmethod
+    def set_device(cls, device_: torch.device) -> None:
+        if _choice.is_npu:
+            torch.npu.set_device(device_)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.inference_mode(mode=True)
+
+    @classmethod
+    def get_current_memory_usage(cls,
+                                 device_: Optional[torch.types.Device] = None
+                                 ) -> float:
+        if _choice.is_npu:
+            torch.npu.reset_peak_memory_stats(device_)
+            return torch.npu.max_memory_allocated(device_)
+        import psutil
+        return psutil.Process().memory_info().rss
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: "_Backend", head_size: int,
+                             dtype: torch.dtype, kv_cache_dtype: Optional[str],
+                             block_size: int, use_v1: bool, use_mla: bool,
+                             has_sink: bool, use_sparse: bool) -> str:
+        if use_mla or use_sparse or has_sink:
+            raise NotImplementedError(
+                "vllm_ascend serves GLM-4.5 style GQA attention; MLA, sparse "
+                "and sink attention are not supported.")
+        return "vllm_ascend.attention.backend.AscendAttentionBackend"
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return ("vllm.distributed.device_communicators."
+                "base_device_communicator.DeviceCommunicatorBase")
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError("LoRA is not supported by vllm_ascend.")
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Attention is one opaque op, the split point of piecewise graphs.
+        return True
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        from vllm.config import CompilationLevel, CUDAGraphMode
+
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.disable_cascade_attn = True
+        cache_config = vllm_config.cache_config
+        if cache_config is not None and cache_config.block_size is None:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = (
+                "vllm_ascend.worker.worker.AscendWorker")
+        if parallel_config.enable_dbo:
+            logger.warning("Dual-batch overlap is not supported by "
+                           "vllm_ascend; disabled.")
+            parallel_config.enable_dbo = False
+
+        scheduler_config = vllm_config.scheduler_config
+        if scheduler_config.async_scheduling and not _choice.is_npu:
+            logger.warning("Async scheduling needs device streams; disabled "
+                           "on the CPU reference device.")
+            scheduler_config.async_scheduling = False
+
+        compilation_config = vllm_config.compilation_config
+        spec = vllm_config.speculative_config
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
+        if _choice.is_npu:
+            compilation_config.cudagraph_capture_sizes = align_capture_sizes(
+                compilation_config.cudagraph_capture_sizes, num_spec)
+        if not _choice.is_npu or (vllm_config.model_config is not None
+                                  and vllm_config.model_config.enforce_eager):
+            # Eager: the CPU reference device runs without graphs.
+            compilation_config.level = CompilationLevel.NO_COMPILATION
+            compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+            compilation_config.cudagraph_capture_sizes = []
+
+        # Workers are spawned: forking after torch threads start is unsafe.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -1,0 +1,202 @@
+"""The plugin's attention backend: paged KV cache, GQA, multi-token queries.
+
+One backend serves prefill, decode, chunked prefill and speculative
+verification (``1 + k`` query tokens per request) alike: every request's
+query tokens attend causally to its whole context through its block table.
+The metadata is rebuilt from ``CommonAttentionMetadata`` at every step, for
+the target and for each draft step separately, so nothing frozen at one step
+leaks into another.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from vllm.attention.backends.abstract import (AttentionBackend, AttentionImpl,
+                                              AttentionLayer,
+                                              AttentionMetadata, AttentionType)
+from vllm.config import VllmConfig
+from vllm.v1.attention.backends.utils import (AttentionCGSupport,
+                                              AttentionMetadataBuilder,
+                                              CommonAttentionMetadata)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_ascend.attention.paged_attention import get_paged_attention_ops
+
+
+class AscendAttentionState(enum.Enum):
+    """What a batch holds; the NPU picks its kernel variant from it."""
+    PREFILL_NO_CACHE = 0
+    DECODE_ONLY = 1
+    SPEC_DECODING = 2
+    CHUNKED_PREFILL = 3
+
+
+class AscendAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "ASCEND"
+
+    @staticmethod
+    def get_impl_cls() -> type["AscendAttentionImpl"]:
+        return AscendAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type["AscendAttentionMetadata"]:
+        return AscendAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type["AscendAttentionMetadataBuilder"]:
+        return AscendAttentionMetadataBuilder
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int,
+                           block_size: int,
+                           num_kv_heads: int,
+                           head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+@dataclass
+class AscendAttentionMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    attn_state: AscendAttentionState
+
+
+def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                   max_query_len: int) -> AscendAttentionState:
+    if max_query_len == 1:
+        return AscendAttentionState.DECODE_ONLY
+    if bool((query_lens == seq_lens).all()):
+        return AscendAttentionState.PREFILL_NO_CACHE
+    return AscendAttentionState.CHUNKED_PREFILL
+
+
+class AscendAttentionMetadataBuilder(
+        AttentionMetadataBuilder[AscendAttentionMetadata]):
+    # Verification batches are uniform (1 + k tokens per request): they can
+    # be captured, provided the metadata is rebuilt before every replay.
+    cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_BATCH)
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        spec = vllm_config.speculative_config
+        self.num_spec_tokens = (spec.num_speculative_tokens
+                                if spec is not None else 0)
+
+    def build(self,
+              common_prefix_len: int,
+              common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> AscendAttentionMetadata:
+        m = common_attn_metadata
+        num_reqs = m.num_reqs
+        query_start_loc_cpu = m.query_start_loc_cpu[:num_reqs + 1]
+        seq_lens_cpu = m.seq_lens_cpu[:num_reqs]
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        state = classify_batch(query_lens, seq_lens_cpu, m.max_query_len)
+        if (state == AscendAttentionState.CHUNKED_PREFILL
+                and self.num_spec_tokens > 0
+                and m.max_query_len <= 1 + self.num_spec_tokens):
+            state = AscendAttentionState.SPEC_DECODING
+        return AscendAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            num_reqs=num_reqs,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc[:num_reqs + 1],
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=m.seq_lens[:num_reqs],
+            seq_lens_cpu=seq_lens_cpu,
+            block_tables=m.block_table_tensor[:num_reqs],
+            slot_mapping=m.slot_mapping[:m.num_actual_tokens],
+            attn_state=state,
+        )
+
+
+class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: Optional[int] = None,
+        alibi_slopes: Optional[list[float]] = None,
+        sliding_window: Optional[int] = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: Optional[float] = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: Optional[str] = None,
+        **kwargs,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+        }
+        used = [name for name, value in unsupported.items() if value]
+        if used:
+            raise NotImplementedError(
+                f"The Ascend attention backend does not support {used}.")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"The Ascend attention backend supports decoder attention "
+                f"only, not {attn_type}.")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the "
+                "Ascend attention backend; use the model dtype (auto).")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.ops = get_paged_attention_ops()
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AscendAttentionMetadata,
+        output: Optional[torch.Tensor] = None,
+        output_scale: Optional[torch.Tensor] = None,
+        output_block_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        assert output is not None, "the Ascend backend writes into output"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "fused output quantization is not supported by the Ascend "
+                "attention backend")
+        if attn_metadata is None:
+            # Profiling run: no KV cache yet.
+            return output
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.unbind(0)
+        if self.kv_sharing_target_layer_name is None:
+            self.ops.write_kv_cache(key[:n], value[:n], key_cache,
+                                    value_cache, attn_metadata.slot_mapping)
+        self.ops.attention(query[:n], key_cache, value_cache, attn_metadata,
+                           self.scale, output[:n])
+        return output

@@ -1,0 +1,128 @@
+"""Paged-KV attention kernels: torch_npu on an NPU, a torch reference on CPU.
+
+Both share one interface and one cache layout, ``key_cache`` and
+``value_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_size]``,
+so the metadata builder and the attention layer are the same on both
+devices. The reference loops over requests; it is written for exactness,
+not speed.
+"""
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from vllm_ascend import device
+
+if TYPE_CHECKING:
+    from vllm_ascend.attention.backend import AscendAttentionMetadata
+
+# Ascend's fused attention takes a fixed-size causal mask (sparse_mode=3).
+_NPU_MASK_SIZE = 2048
+
+
+class PagedAttentionOps(Protocol):
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        ...
+
+    def attention(self, query: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, metadata: "AscendAttentionMetadata",
+                  scale: float, output: torch.Tensor) -> None:
+        """Causal attention of each request's query tokens (the last
+        ``q_len`` positions of its ``seq_len``) over its paged context."""
+        ...
+
+
+class ReferencePagedAttention:
+    """Exact paged attention in torch (float32 softmax)."""
+
+    def write_kv_cache(self, key, value, key_cache, value_cache,
+                       slot_mapping) -> None:
+        # Padding tokens carry slot -1 (PAD_SLOT_ID): they write nothing.
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+    def attention(self, query, key_cache, value_cache, metadata, scale,
+                  output) -> None:
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        group = query.shape[1] // num_kv_heads
+        starts = metadata.query_start_loc_cpu.tolist()
+        block_tables = metadata.block_tables
+        # The device copy of seq_lens: draft steps past max_model_len clamp
+        # it (to 1) there, and their outputs are discarded.
+        for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+            q_start, q_end = starts[i], starts[i + 1]
+            q_len = q_end - q_start
+            if q_len == 0:
+                continue
+            num_blocks = -(-seq_len // block_size)
+            blocks = block_tables[i, :num_blocks].long()
+            k = key_cache[blocks].flatten(0, 1)[:seq_len].float()
+            v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+            k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+            v = v.repeat_interleave(group, dim=1)
+            q = query[q_start:q_end].float()  # [L, H, D]
+            scores = torch.einsum("lhd,shd->hls", q, k) * scale
+            # Query token j sits at position seq_len - q_len + j.
+            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+            k_pos = torch.arange(seq_len).unsqueeze(0)
+            scores.masked_fill_(k_pos > q_pos, float("-inf"))
+            probs = scores.softmax(dim=-1)
+            out = torch.einsum("hls,shd->lhd", probs, v)
+            output[q_start:q_end] = out.to(output.dtype)
+
+
+class NpuPagedAttention:
+    """torch_npu kernels: reshape-and-cache and fused infer attention."""
+
+    def __init__(self) -> None:
+        import torch_npu
+        self._torch_npu = torch_npu
+        self._mask: torch.Tensor | None = None
+
+    def _causal_mask(self, device_: torch.device) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = torch.triu(
+                torch.ones(_NPU_MASK_SIZE, _NPU_MASK_SIZE, dtype=torch.bool,
+                           device=device_), diagonal=1)
+        return self._mask
+
+    def write_kv_cache(self, key, value, key_cache, value_cache,
+                       slot_mapping) -> None:
+        self._torch_npu._npu_reshape_and_cache(key=key,
+                                               value=value,
+                                               key_cache=key_cache,
+                                               value_cache=value_cache,
+                                               slot_indices=slot_mapping.int())
+
+    def attention(self, query, key_cache, value_cache, metadata, scale,
+                  output) -> None:
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        out, _ = self._torch_npu.npu_fused_infer_attention_score(
+            query,
+            key_cache.view(num_blocks, block_size, -1),
+            value_cache.view(num_blocks, block_size, -1),
+            atten_mask=self._causal_mask(query.device),
+            block_table=metadata.block_tables,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_lengths=metadata.query_start_loc_cpu[1:].tolist(),
+            actual_seq_lengths_kv=metadata.seq_lens_cpu.tolist(),
+            num_key_value_heads=num_kv_heads,
+            num_heads=query.shape[1],
+            scale=scale,
+            sparse_mode=3,
+        )
+        output.copy_(out.view_as(output))
+
+
+def get_paged_attention_ops() -> PagedAttentionOps:
+    if device.current().is_npu:
+        return NpuPagedAttention()
+    return ReferencePagedAttention()

@@ -1,0 +1,41 @@
+"""The plugin's model runner: vLLM's GPU model runner on an NPU or the CPU.
+
+Everything device-neutral (input preparation, the persistent batch, KV-cache
+binding, sampling, speculative decoding bookkeeping) is vLLM's. This class
+only swaps what needs a device: streams and events, synchronization, the
+rejection sampler (vLLM's is triton-only) and the MTP proposer.
+"""
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.spec_decode.eagle import EagleProposer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_ascend import device
+from vllm_ascend.worker.streams import device_streams
+
+logger = init_logger(__name__)
+
+
+class AscendModelRunner(GPUModelRunner):
+
+    def __init__(self, vllm_config: VllmConfig, torch_device: torch.device):
+        with device_streams():
+            super().__init__(vllm_config, torch_device)
+        self.cascade_attn_enabled = False
+        if hasattr(self, "rejection_sampler"):
+            from vllm_ascend.sample.rejection_sampler import (
+                AscendRejectionSampler)
+            self.rejection_sampler = AscendRejectionSampler()
+        if isinstance(getattr(self, "drafter", None), EagleProposer):
+            from vllm_ascend.spec_decode.mtp_proposer import (
+                make_proposer)
+            self.drafter = make_proposer(vllm_config, torch_device, self)
+
+    def _init_device_properties(self) -> None:
+        pass
+
+    def _sync_device(self) -> None:
+        if device.current().is_npu:
+            torch.npu.synchronize()
