@@ -1,0 +1,1 @@
+"""Mixture-of-experts ops: expert selection, the experts, the vLLM method."""
