@@ -12,3 +12,5 @@ def register() -> str:
 
 def register_ops() -> None:
     """``vllm.general_plugins`` entry point, loaded by every process."""
+    from vllm_ascend.ops import register_oot_ops
+    register_oot_ops()
