@@ -126,9 +126,9 @@ rotary_embedding = (_rotary_embedding_npu
 class AscendRotaryEmbedding(RotaryEmbedding):
     """vLLM's RotaryEmbedding backed by ``rotary_embedding``.
 
-    vLLM stores cos/sin in the model dtype; this class keeps a float32 copy
-    so the rotation angles are exact (the bf16 cache rounds cos/sin to
-    3 significant digits).
+    vLLM stores cos/sin in the model dtype, computed from float32 angles
+    (at position 4095 a float32 angle is already off by ~2e-4 rad). This
+    class keeps its own cache: angles in float64, cos/sin stored in float32.
     """
 
     def __init__(self, head_size: int, rotary_dim: int,
@@ -138,8 +138,17 @@ class AscendRotaryEmbedding(RotaryEmbedding):
                          base, is_neox_style, dtype)
         self.cos_sin_cache_f32: torch.Tensor
         self.register_buffer("cos_sin_cache_f32",
-                             self._compute_cos_sin_cache().float(),
+                             self._exact_cos_sin_cache(),
                              persistent=False)
+
+    def _exact_cos_sin_cache(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2,
+                                 dtype=torch.float64) / self.rotary_dim
+        inv_freq = 1.0 / (self.base**exponents)
+        positions = torch.arange(self.max_position_embeddings,
+                                 dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq)
+        return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
     def forward_oot(
         self,

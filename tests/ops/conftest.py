@@ -1,0 +1,54 @@
+"""vLLM layers built outside an engine: a VllmConfig and a 1-rank world."""
+
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import vllm_ascend
+from vllm_ascend import device
+
+npu_available = device.current().is_npu
+NPU_REASON = "needs an Ascend NPU with torch_npu"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plugin_ops() -> None:
+    """What vLLM's general-plugin loader does in every process."""
+    vllm_ascend.register_ops()
+
+
+@pytest.fixture(scope="session")
+def dist_world() -> Iterator[None]:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (cleanup_dist_env_and_memory,
+                                  init_distributed_environment,
+                                  initialize_model_parallel)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{tempfile.mkstemp()[1]}",
+            local_rank=0,
+            backend="gloo")
+        initialize_model_parallel(1, 1)
+    yield
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def vllm_config(dist_world):
+    """A fresh VllmConfig (layer names must be unique per config)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
+
+
+@pytest.fixture
+def float32_default() -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
