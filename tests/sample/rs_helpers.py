@@ -54,3 +54,17 @@ def sampling_metadata(
 
 def bonus_tensor(bonus: list[int], device: str = "cpu") -> torch.Tensor:
     return torch.tensor(bonus, dtype=torch.int32, device=device)[:, None]
+
+
+def spec_metadata_from_tensor(drafts: torch.Tensor) -> SpecDecodeMetadata:
+    """[batch, k] draft tokens, k per request: big batches without the
+    quadratic list flattening of make_dummy."""
+    batch, k = drafts.shape
+    return SpecDecodeMetadata(
+        draft_token_ids=drafts.reshape(-1).to(torch.int32),
+        num_draft_tokens=[k] * batch,
+        cu_num_draft_tokens=torch.arange(1, batch + 1, dtype=torch.int32) * k,
+        target_logits_indices=torch.zeros(batch * k, dtype=torch.int32),
+        bonus_logits_indices=torch.zeros(batch, dtype=torch.int32),
+        logits_indices=torch.zeros(batch * (k + 1), dtype=torch.int32),
+    )
