@@ -7,11 +7,6 @@ import pytest
 import torch
 
 import vllm_ascend
-from vllm_ascend import device
-
-npu_available = device.current().is_npu
-NPU_REASON = "needs an Ascend NPU with torch_npu"
-
 
 @pytest.fixture(scope="session", autouse=True)
 def plugin_ops() -> None:
