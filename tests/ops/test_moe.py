@@ -146,19 +146,25 @@ def glm_config(n_group, topk_group):
                          hidden_act="silu")
 
 
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("n_group,topk_group,dtype,tol",
+                         [(1, 1, torch.float32, 1e-4),
+                          (4, 2, torch.float32, 1e-4),
+                          (1, 1, torch.bfloat16, 3e-2)])
 def test_glm45_moe_block_matches_loop(vllm_config, float32_default, n_group,
-                                      topk_group):
+                                      topk_group, dtype, tol):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.models.glm4_moe import Glm4MoE
     config = glm_config(n_group, topk_group)
+    torch.set_default_dtype(dtype)  # the float32_default fixture restores it
     block = Glm4MoE(config, prefix="model.layers.1.mlp")
     assert type(block.experts.quant_method) is AscendUnquantizedFusedMoEMethod
     fill_random(block, seed=n_group)
     block.experts.quant_method.process_weights_after_loading(block.experts)
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(11))
+    x = x.to(dtype)
     with set_forward_context(None, vllm_config), torch.no_grad():
         out = block(x)
+    assert out.dtype == dtype
 
     logits = x.double() @ block.gate.weight.double().t()
     routes = route(logits, block.gate.e_score_correction_bias, 3, n_group,
@@ -171,7 +177,7 @@ def test_glm45_moe_block_matches_loop(vllm_config, float32_default, n_group,
     shared_out = (gate * torch.sigmoid(gate) * up) @ \
         shared.down_proj.weight.double().t()
     expected = routed * 2.5 + shared_out
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 def test_plain_fused_moe_softmax_layer_matches_loop(vllm_config,
