@@ -94,8 +94,15 @@ def test_greedy_rows_of_mixed_batch(draft_probs: bool):
         temps = [GREEDY if g else rng.choice([0.5, 1.0, 1.5]) for g in greedy]
         probs = (torch.softmax(torch.randn_like(logits), -1)
                  if draft_probs else None)
-        sm = sampling_metadata(temps, top_k=[VOCAB // 2] * batch,
-                               top_p=[0.9] * batch)
+        # Each of vLLM's top-k/top-p paths: none, top-k only, top-p only,
+        # both.
+        use_k, use_p = rng.random() < 0.5, rng.random() < 0.5
+        sm = sampling_metadata(
+            temps,
+            top_k=[rng.choice([2, 5, VOCAB]) for _ in range(batch)]
+            if use_k else None,
+            top_p=[rng.choice([0.5, 0.9, 1.0]) for _ in range(batch)]
+            if use_p else None)
         out = sampler(spec_metadata(drafts), probs, logits.clone(),
                       bonus_tensor(bonus), sm)
         got = sampler.parse_output(out, VOCAB)

@@ -171,3 +171,19 @@ def test_reference_target_is_what_the_sampler_targets():
     would not exercise them)."""
     assert (P0 > 0).sum() < TOP_K and (P1 > 0).sum() < TOP_K
     assert Q0[torch.from_numpy(P0 == 0)].sum() > 0.1
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["one_hot", "q"])
+def test_the_check_rejects_recovering_from_the_target(monkeypatch, with_q):
+    """A classic bug: on rejection, sample from p instead of max(p - q, 0)."""
+    import vllm_ascend.sample.rejection_sampler as rs
+    right = rs.sample_recovered_tokens
+
+    def from_target(draft_token_ids, draft_probs, target_probs, noise):
+        return right(draft_token_ids, torch.zeros_like(target_probs),
+                     target_probs, noise)
+
+    monkeypatch.setattr(rs, "sample_recovered_tokens", from_target)
+    first, _, _, _ = run(AscendRejectionSampler(), with_q)
+    fit0 = fit(first, P0)
+    assert not fit0.ok, fit0
