@@ -1,0 +1,48 @@
+"""Helpers for end-to-end tests: engines in subprocesses, HF references."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+RUNNER = Path(__file__).with_name("run_engine.py")
+
+
+def run_engine(engine: dict, prompts: list[list[int]], sampling,
+               env: dict | None = None, timeout: int = 600) -> dict:
+    """Generate with vLLM (through our plugin) in a fresh process."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json",
+                                     delete=False) as spec:
+        json.dump({"engine": engine, "prompts": prompts,
+                   "sampling": sampling}, spec)
+    full_env = dict(os.environ, VLLM_ASCEND_DEVICE="cpu",
+                    **(env or {}))
+    proc = subprocess.run([sys.executable, str(RUNNER), spec.name],
+                          capture_output=True, text=True, env=full_env,
+                          timeout=timeout)
+    os.unlink(spec.name)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine failed:\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]],
+              max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from transformers' Glm4MoeForCausalLM."""
+    from transformers import Glm4MoeForCausalLM
+    model = Glm4MoeForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+    # vLLM runs with ignore_eos: so must the reference.
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]),
+                                 max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
