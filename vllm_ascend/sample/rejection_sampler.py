@@ -17,8 +17,13 @@ vector per request (only one recovered token per request is ever used, the
 one at its first rejection). Seeded requests draw both from their own
 generator, uniforms first, so their output does not depend on the rest of the
 batch; requests without draft tokens draw nothing.
+
+Cost: the target logits get temperature/top-k/top-p and one logsumexp pass
+over [num_tokens, vocab]; the softmax, residual and noise are computed for one
+row per request (its first rejected position), not for every draft token.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -63,52 +68,65 @@ class AscendRejectionSampler(RejectionSampler):
             # No request has a draft: every request emits its bonus token.
             return bonus.view(batch_size, 1).clone()
 
-        cu_num_draft_tokens = metadata.cu_num_draft_tokens.to(torch.long)
-        num_draft_tokens = torch.diff(cu_num_draft_tokens,
-                                      prepend=cu_num_draft_tokens.new_zeros(1))
-        token_to_req = token_request_indices(cu_num_draft_tokens, num_tokens)
+        layout = DraftLayout.build(metadata.cu_num_draft_tokens, num_tokens,
+                                   metadata.max_spec_len)
         draft_token_ids = metadata.draft_token_ids.to(torch.long)
 
-        greedy_accepted = greedy_emitted = None
+        target_argmax = is_greedy = None
         if not sampling_metadata.all_random:
             # Taken before the logits are scaled in place; top-k/top-p never
             # drop the maximum, so this is the argmax of the greedy target.
             target_argmax = target_logits.argmax(dim=-1)
-            greedy_accepted = draft_token_ids == target_argmax
-            greedy_emitted = target_argmax
         if sampling_metadata.all_greedy:
-            assert greedy_accepted is not None and greedy_emitted is not None
-            accepted, emitted = greedy_accepted, greedy_emitted
+            assert target_argmax is not None
+            accepted = draft_token_ids == target_argmax
         else:
-            target_probs = compute_target_probs(target_logits, token_to_req,
-                                                sampling_metadata)
+            logits = process_target_logits(target_logits, layout.token_to_req,
+                                           sampling_metadata)
             uniform = generate_uniforms(num_tokens,
                                         metadata.num_draft_tokens,
                                         sampling_metadata.generators, device)
-            noise = generate_exponential_noise(batch_size,
-                                               target_probs.shape[-1],
+            noise = generate_exponential_noise(batch_size, logits.shape[-1],
                                                metadata.num_draft_tokens,
                                                sampling_metadata.generators,
                                                device)
-            target_p = target_probs.gather(1, draft_token_ids[:, None])[:, 0]
+            # p(x) without materializing softmax over [num_tokens, vocab].
+            target_p = (logits.gather(1, draft_token_ids[:, None])[:, 0] -
+                        logits.logsumexp(dim=-1)).exp()
             if draft_probs is None:
                 draft_q = torch.ones_like(target_p)
             else:
                 draft_q = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
             accepted = self.accept_draft(target_p, draft_q, uniform)
-            emitted = sample_recovered_tokens(draft_token_ids, draft_probs,
-                                              target_probs,
-                                              noise[token_to_req])
-            if greedy_accepted is not None:
-                assert greedy_emitted is not None
-                is_greedy = (sampling_metadata.temperature
-                             == GREEDY_TEMPERATURE)[token_to_req]
-                accepted = torch.where(is_greedy, greedy_accepted, accepted)
-                emitted = torch.where(is_greedy, greedy_emitted, emitted)
+            if target_argmax is not None:
+                assert sampling_metadata.temperature is not None
+                is_greedy = sampling_metadata.temperature == GREEDY_TEMPERATURE
+                accepted = torch.where(is_greedy[layout.token_to_req],
+                                       draft_token_ids == target_argmax,
+                                       accepted)
 
-        return assemble_output(accepted, emitted, draft_token_ids, bonus,
-                               cu_num_draft_tokens, num_draft_tokens,
-                               metadata.max_spec_len)
+        num_accepted = layout.accepted_prefix_length(accepted)
+        # The token index of each request's first rejection; clamped where
+        # every draft was accepted (its emitted token is then unused).
+        first_rejected = layout.start + num_accepted
+        first_rejected.clamp_(max=num_tokens - 1)
+        if sampling_metadata.all_greedy:
+            assert target_argmax is not None
+            emitted = target_argmax[first_rejected]
+        else:
+            # Only one recovered token per request is ever emitted: sample
+            # it at the first rejection only, not at every draft position.
+            emitted = sample_recovered_tokens(
+                draft_token_ids[first_rejected],
+                None if draft_probs is None else draft_probs[first_rejected],
+                logits[first_rejected].softmax(dim=-1, dtype=torch.float32),
+                noise)
+            if target_argmax is not None:
+                assert is_greedy is not None
+                emitted = torch.where(is_greedy, target_argmax[first_rejected],
+                                      emitted)
+        return layout.assemble_output(num_accepted, emitted, draft_token_ids,
+                                      bonus)
 
     def accept_draft(self, target_prob: torch.Tensor, draft_prob: torch.Tensor,
                      uniform: torch.Tensor) -> torch.Tensor:
@@ -163,21 +181,68 @@ def check_inputs(metadata: SpecDecodeMetadata,
                          "batch is not all greedy.")
 
 
-def token_request_indices(cu_num_draft_tokens: torch.Tensor,
-                          num_tokens: int) -> torch.Tensor:
-    """[num_tokens]: the request each flattened draft token belongs to."""
-    positions = torch.arange(num_tokens,
-                             dtype=cu_num_draft_tokens.dtype,
-                             device=cu_num_draft_tokens.device)
-    return torch.searchsorted(cu_num_draft_tokens, positions, right=True)
+@dataclass
+class DraftLayout:
+    """Where each request's draft tokens sit in the flattened token axis."""
+
+    token_to_req: torch.Tensor  # [num_tokens]
+    start: torch.Tensor  # [batch_size]: index of the request's first draft
+    num_drafts: torch.Tensor  # [batch_size, 1]
+    token_idx: torch.Tensor  # [batch_size, max_spec_len]: 0 where invalid
+    valid: torch.Tensor  # [batch_size, max_spec_len]
+
+    @classmethod
+    def build(cls, cu_num_draft_tokens: torch.Tensor, num_tokens: int,
+              max_spec_len: int) -> "DraftLayout":
+        cu = cu_num_draft_tokens.to(torch.long)
+        num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))
+        start = cu - num_drafts
+        positions = torch.arange(num_tokens, device=cu.device)
+        token_to_req = torch.searchsorted(cu, positions, right=True)
+        pos = torch.arange(max_spec_len, device=cu.device)
+        valid = pos < num_drafts[:, None]
+        token_idx = torch.where(valid, start[:, None] + pos,
+                                torch.zeros_like(pos))
+        return cls(token_to_req, start, num_drafts[:, None], token_idx, valid)
+
+    def accepted_prefix_length(self, accepted: torch.Tensor) -> torch.Tensor:
+        """[batch_size]: drafts accepted before the first rejection."""
+        accepted_pad = accepted[self.token_idx] & self.valid
+        return accepted_pad.to(torch.int32).cumprod(dim=1).sum(dim=1)
+
+    def assemble_output(self, num_accepted: torch.Tensor,
+                        emitted: torch.Tensor, draft_token_ids: torch.Tensor,
+                        bonus_token_ids: torch.Tensor) -> torch.Tensor:
+        """[batch_size, max_spec_len + 1] int32: the accepted drafts, then
+        ``emitted`` at the first rejection or the bonus token when all were
+        accepted; PLACEHOLDER_TOKEN_ID elsewhere."""
+        batch_size, max_spec_len = self.valid.shape
+        device = self.valid.device
+        pos = torch.arange(max_spec_len, device=device)
+        num_accepted = num_accepted[:, None]
+        tokens = torch.where(pos < num_accepted,
+                             draft_token_ids[self.token_idx],
+                             emitted[:, None])
+        keep = self.valid & (pos <= num_accepted)
+        output = torch.full((batch_size, max_spec_len + 1),
+                            PLACEHOLDER_TOKEN_ID,
+                            dtype=torch.int32,
+                            device=device)
+        output[:, :max_spec_len] = torch.where(
+            keep, tokens, torch.full_like(tokens, PLACEHOLDER_TOKEN_ID))
+        columns = torch.arange(max_spec_len + 1, device=device)
+        takes_bonus = ((columns == self.num_drafts)
+                       & (num_accepted == self.num_drafts))
+        return torch.where(takes_bonus, bonus_token_ids[:, None], output)
 
 
-def compute_target_probs(logits: torch.Tensor, token_to_req: torch.Tensor,
-                         sampling_metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k and top-p per request, then softmax (float32).
+def process_target_logits(logits: torch.Tensor, token_to_req: torch.Tensor,
+                          sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k and top-p per request, as float32 logits: the
+    softmax of a row is the target distribution at that draft position.
 
-    Greedy rows of a mixed batch use temperature 1; their probabilities are
-    not used. ``logits`` is scaled in place when it is already float32.
+    Greedy rows of a mixed batch use temperature 1; their values are not
+    used. ``logits`` is scaled in place when it is already float32.
     """
     assert sampling_metadata.temperature is not None
     temperature = sampling_metadata.temperature[token_to_req]
@@ -189,8 +254,7 @@ def compute_target_probs(logits: torch.Tensor, token_to_req: torch.Tensor,
              sampling_metadata.top_k[token_to_req])
     top_p = (None if sampling_metadata.top_p is None else
              sampling_metadata.top_p[token_to_req])
-    logits = apply_top_k_top_p(logits, top_k, top_p)
-    return logits.softmax(dim=-1, dtype=torch.float32)
+    return apply_top_k_top_p(logits, top_k, top_p)
 
 
 def generate_uniforms(num_tokens: int, num_draft_tokens: list[int],
@@ -231,12 +295,12 @@ def generate_exponential_noise(batch_size: int, vocab_size: int,
 
 
 def sample_recovered_tokens(
-    draft_token_ids: torch.Tensor,  # [num_tokens] int64
-    draft_probs: Optional[torch.Tensor],  # [num_tokens, vocab] or None
-    target_probs: torch.Tensor,  # [num_tokens, vocab]
-    noise: torch.Tensor,  # [num_tokens, vocab], the request's noise row
+    draft_token_ids: torch.Tensor,  # [rows] int64
+    draft_probs: Optional[torch.Tensor],  # [rows, vocab] or None
+    target_probs: torch.Tensor,  # [rows, vocab]
+    noise: torch.Tensor,  # [rows, vocab] Exp(1)
 ) -> torch.Tensor:
-    """[num_tokens] samples of normalize(max(p - q, 0)).
+    """[rows] samples of normalize(max(p - q, 0)), one per row.
 
     With one-hot drafts that is p without the draft token. When the residual
     is zero everywhere (p == q up to rounding, so a rejection could only come
@@ -249,47 +313,6 @@ def sample_recovered_tokens(
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs, residual)
     return residual.div_(noise).argmax(dim=-1)
-
-
-def assemble_output(
-    accepted: torch.Tensor,  # [num_tokens] bool
-    emitted: torch.Tensor,  # [num_tokens]: the token emitted on rejection
-    draft_token_ids: torch.Tensor,  # [num_tokens]
-    bonus_token_ids: torch.Tensor,  # [batch_size] int32
-    cu_num_draft_tokens: torch.Tensor,  # [batch_size]
-    num_draft_tokens: torch.Tensor,  # [batch_size]
-    max_spec_len: int,
-) -> torch.Tensor:
-    """Lay the per-token decisions out as [batch_size, max_spec_len + 1].
-
-    Row i holds the accepted prefix of its drafts, then the token emitted at
-    the first rejection, or the bonus token when all drafts were accepted;
-    PLACEHOLDER_TOKEN_ID elsewhere.
-    """
-    device = accepted.device
-    batch_size = num_draft_tokens.shape[0]
-    pos = torch.arange(max_spec_len, device=device)
-    num_drafts = num_draft_tokens[:, None]
-    valid = pos < num_drafts  # [batch_size, max_spec_len]
-    token_idx = (cu_num_draft_tokens - num_draft_tokens)[:, None] + pos
-    token_idx = torch.where(valid, token_idx, torch.zeros_like(token_idx))
-
-    accepted_pad = accepted[token_idx] & valid
-    num_accepted = accepted_pad.to(torch.int32).cumprod(dim=1).sum(
-        dim=1, keepdim=True)
-    tokens = torch.where(pos < num_accepted, draft_token_ids[token_idx],
-                         emitted[token_idx])
-    keep = valid & (pos <= num_accepted)
-    placeholder = torch.full_like(tokens, PLACEHOLDER_TOKEN_ID)
-    output = torch.full((batch_size, max_spec_len + 1),
-                        PLACEHOLDER_TOKEN_ID,
-                        dtype=torch.int32,
-                        device=device)
-    output[:, :max_spec_len] = torch.where(keep, tokens, placeholder)
-
-    columns = torch.arange(max_spec_len + 1, device=device)
-    takes_bonus = (columns == num_drafts) & (num_accepted == num_drafts)
-    return torch.where(takes_bonus, bonus_token_ids[:, None], output)
 
 
 def _starts(num_draft_tokens: list[int]) -> list[int]:
