@@ -26,6 +26,7 @@ VOCAB = 12
 N = 30_000
 ALPHA = 1e-3  # chi-square p-value below which a distribution is rejected
 TV_TOL = 0.03  # total-variation tolerance; sampling noise is ~0.005-0.01
+N_WRONG = 5_000  # wrong samplers fail by far; fewer samples suffice
 TEMPERATURE, TOP_K, TOP_P = 0.7, 9, 0.93
 
 LOGITS0 = torch.tensor(
@@ -102,32 +103,35 @@ class IgnoresDraftProbs(AscendRejectionSampler):
         return uniform < target_prob
 
 
-def run(sampler: AscendRejectionSampler, with_q: bool, seed: int = 0):
-    """Sample N requests; return (first tokens, second tokens given the
+def run(sampler: AscendRejectionSampler,
+        with_q: bool,
+        seed: int = 0,
+        n: int = N):
+    """Sample n requests; return (first tokens, second tokens given the
     first draft was accepted, number of first-draft acceptances)."""
     torch.manual_seed(seed)
     if with_q:
         # Drafts must be drawn from the q that is passed in.
-        d0 = torch.multinomial(Q0, N, replacement=True)
-        d1 = torch.multinomial(Q1, N, replacement=True)
+        d0 = torch.multinomial(Q0, n, replacement=True)
+        d1 = torch.multinomial(Q1, n, replacement=True)
         draft_probs: Optional[torch.Tensor] = torch.stack(
-            [Q0, Q1]).repeat(N, 1)
+            [Q0, Q1]).repeat(n, 1)
     else:
         # One-hot drafts (an n-gram or greedy drafter): any draft works. Here
         # the target's mode 80% of the time, else a skewed proposal.
         d0 = torch.where(
-            torch.rand(N) < 0.8, LOGITS0.argmax(),
-            torch.multinomial(Q0, N, replacement=True))
+            torch.rand(n) < 0.8, LOGITS0.argmax(),
+            torch.multinomial(Q0, n, replacement=True))
         d1 = torch.where(
-            torch.rand(N) < 0.8, LOGITS1.argmax(),
-            torch.multinomial(Q1, N, replacement=True))
+            torch.rand(n) < 0.8, LOGITS1.argmax(),
+            torch.multinomial(Q1, n, replacement=True))
         draft_probs = None
     drafts = torch.stack([d0, d1], dim=1)
-    logits = torch.stack([LOGITS0, LOGITS1]).repeat(N, 1)
-    sm = sampling_metadata([TEMPERATURE] * N, top_k=[TOP_K] * N,
-                           top_p=[TOP_P] * N)
+    logits = torch.stack([LOGITS0, LOGITS1]).repeat(n, 1)
+    sm = sampling_metadata([TEMPERATURE] * n, top_k=[TOP_K] * n,
+                           top_p=[TOP_P] * n)
     out = sampler(spec_metadata_from_tensor(drafts), draft_probs, logits,
-                  bonus_tensor([0] * N), sm)
+                  bonus_tensor([0] * n), sm)
     first_accepted = out[:, 1] != PLACEHOLDER_TOKEN_ID
     assert torch.equal(out[first_accepted, 0], d0[first_accepted].int())
     return (out[:, 0].long(), out[first_accepted, 1].long(),
@@ -154,14 +158,14 @@ def test_emitted_tokens_follow_the_target(with_q: bool):
 @pytest.mark.parametrize("with_q", [False, True], ids=["one_hot", "q"])
 @pytest.mark.parametrize("wrong", [AlwaysAccept, AlwaysReject])
 def test_the_check_rejects_wrong_samplers(wrong, with_q: bool):
-    first, second, _, _ = run(wrong(), with_q)
+    first, second, _, _ = run(wrong(), with_q, n=N_WRONG)
     fit0 = fit(first, P0)
     assert not fit0.ok, fit0
     assert fit0.p_value < 1e-9 or fit0.outside_support > 0
 
 
 def test_the_check_rejects_ignoring_draft_probs():
-    first, _, _, _ = run(IgnoresDraftProbs(), with_q=True)
+    first, _, _, _ = run(IgnoresDraftProbs(), with_q=True, n=N_WRONG)
     fit0 = fit(first, P0)
     assert not fit0.ok, fit0
 
@@ -184,6 +188,6 @@ def test_the_check_rejects_recovering_from_the_target(monkeypatch, with_q):
                      target_probs, noise)
 
     monkeypatch.setattr(rs, "sample_recovered_tokens", from_target)
-    first, _, _, _ = run(AscendRejectionSampler(), with_q)
+    first, _, _, _ = run(AscendRejectionSampler(), with_q, n=N_WRONG)
     fit0 = fit(first, P0)
     assert not fit0.ok, fit0
