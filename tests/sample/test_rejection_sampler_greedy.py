@@ -186,3 +186,23 @@ def test_npu_matches_cpu_greedy():  # pragma: no cover - NPU only
     got = sampler(spec_metadata(drafts, "npu"), None, logits.to("npu"),
                   bonus_tensor(bonus, "npu"), sampling_metadata(None, device="npu"))
     assert got.cpu().tolist() == want.tolist()
+
+
+def test_bfloat16_logits():
+    """Model-dtype logits: greedy rows match the float32 reference and
+    random rows still return a valid layout."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    drafts, logits, bonus = random_case(rng, 6, 3, 0.7)
+    logits = logits.to(torch.bfloat16)
+    temps = [GREEDY, 0.8, GREEDY, 1.0, GREEDY, 0.6]
+    sampler = AscendRejectionSampler()
+    out = sampler(spec_metadata(drafts), None, logits.clone(),
+                  bonus_tensor(bonus), sampling_metadata(temps))
+    got = sampler.parse_output(out, VOCAB)
+    want = reference_greedy(drafts, logits.float(), bonus)
+    for i, temp in enumerate(temps):
+        if temp == GREEDY:
+            assert got[i] == want[i]
+        else:
+            assert got[i][:-1] == drafts[i][:len(got[i]) - 1]
