@@ -22,6 +22,10 @@ $(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.t
 	  $(PY) -m pip install --no-build-isolation -e ./vllm $(PIP_PINS)
 	# setuptools-scm rewrites vllm/_version.py; keep the tree as committed.
 	git -C vllm checkout -- vllm/_version.py
+	# Put the tree on sys.path too: a regular package found there beats the
+	# namespace package that ./vllm would be when the repo root is on
+	# sys.path (python -m, tools that import tests.*).
+	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'vllm-tree.pth').write_text(str(pathlib.Path('vllm').resolve()) + '\n')"
 	$(PY) -m pip install --no-build-isolation -e . $(PIP_PINS)
 	@touch $@
 
