@@ -1,0 +1,13 @@
+"""Offline GLM-4.5 + MTP reference (no vLLM): checkpoint I/O, the MTP layer
+in plain torch, greedy generation and speculative-decoding acceptance."""
+
+from .acceptance import Glm45Reference, measure_acceptance
+from .checkpoint import (load_main_model, load_mtp_layer, load_tensors,
+                         read_config, save_sharded)
+from .mtp import MtpDims, MtpLayer
+
+__all__ = [
+    "Glm45Reference", "MtpDims", "MtpLayer", "load_main_model",
+    "load_mtp_layer", "load_tensors", "measure_acceptance", "read_config",
+    "save_sharded"
+]
