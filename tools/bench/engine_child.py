@@ -1,0 +1,192 @@
+"""One engine configuration of the benchmark, in its own process.
+
+Usage: ``python engine_child.py SPEC.json`` (written by
+``tools/benchmark_mtp.py``). Progress lines start with ``PROGRESS `` and the
+last line with ``RESULT ``, each followed by JSON. A fresh process per
+configuration keeps distributed state and peak memory per configuration;
+the parent runs vLLM's engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the peak RSS measured here
+covers the model, the drafter and the KV cache.
+"""
+
+import itertools
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# tools/ (not the repository root, whose vllm/ tree would shadow vLLM).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,  # noqa: E402
+                         DRAFT_TOKENS, DRAFTS, acceptance,
+                         decode_tokens_per_s, median, metric_delta)
+
+HISTOGRAMS = (DECODE_TIME, )
+
+
+def emit(kind: str, payload: dict[str, Any]) -> None:
+    print(f"{kind} {json.dumps(payload)}", flush=True)
+
+
+def snapshot(llm) -> dict[str, Any]:
+    """Spec-decode counters and vectors, and decode-time histograms (summed
+    over label sets) at this moment."""
+    out: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        name = metric.name
+        if name in HISTOGRAMS:
+            old = out.get(name, {"sum": 0.0, "count": 0})
+            out[name] = {"sum": old["sum"] + metric.sum,
+                         "count": old["count"] + metric.count}
+        elif name.startswith("vllm:spec_decode"):
+            values = getattr(metric, "values", None)
+            if values is not None:
+                old = out.get(name, [0] * len(values))
+                out[name] = [a + b for a, b in zip(old, values)]
+            else:
+                out[name] = out.get(name, 0) + metric.value
+    return out
+
+
+def _weights_bytes(worker) -> dict[str, int]:
+    """Bytes of the parameters and buffers of the target model and of the
+    drafter; tensors the drafter shares with the target count once."""
+    runner = worker.model_runner
+    seen: set[int] = set()
+
+    def size(module) -> int:
+        total = 0
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return total
+
+    target = size(runner.model)
+    drafter = getattr(runner, "drafter", None)
+    draft_model = getattr(drafter, "model", None)
+    return {"target": target,
+            "drafter": size(draft_model) if draft_model is not None else 0}
+
+
+def peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed_generate(llm, prompts, max_tokens: int):
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    bad = [len(i) for i in ids if len(i) != max_tokens]
+    if bad:
+        raise RuntimeError(f"asked for {max_tokens} tokens with ignore_eos, "
+                           f"got lengths {bad}")
+    return elapsed, ids
+
+
+def hist_delta(before: dict, after: dict, name: str) -> dict[str, float]:
+    a = after.get(name, {"sum": 0.0, "count": 0})
+    b = before.get(name, {"sum": 0.0, "count": 0})
+    return {"sum": a["sum"] - b["sum"], "count": a["count"] - b["count"]}
+
+
+def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
+    base = spec["prompts"]
+    prompts = [{"prompt_token_ids": base[i % len(base)]}
+               for i in range(batch)]
+    n = spec["new_tokens"]
+    timed_generate(llm, prompts, spec["warmup_tokens"])
+    start = snapshot(llm)
+    runs = []
+    decode_hist = {"sum": 0.0, "count": 0}
+    outputs = None
+    for repeat in range(spec["repeats"]):
+        t_one, _ = timed_generate(llm, prompts, 1)
+        before = snapshot(llm)
+        t_full, ids = timed_generate(llm, prompts, n)
+        delta = hist_delta(before, snapshot(llm), DECODE_TIME)
+        decode_hist = {k: decode_hist[k] + delta[k] for k in decode_hist}
+        if outputs is not None and ids != outputs:
+            raise RuntimeError(f"greedy outputs changed between repeats at "
+                               f"batch {batch} (repeat {repeat})")
+        outputs = ids
+        runs.append({"t_full_s": t_full, "t_one_s": t_one,
+                     "decode_tokens_per_s":
+                     decode_tokens_per_s(t_full, t_one, batch, n)})
+    end = snapshot(llm)
+    result: dict[str, Any] = {
+        "batch_size": batch,
+        "runs": runs,
+        "decode_tokens_per_s": median(
+            [r["decode_tokens_per_s"] for r in runs]),
+        "median_t_full_s": median([r["t_full_s"] for r in runs]),
+        "median_t_one_s": median([r["t_one_s"] for r in runs]),
+        "outputs": outputs,
+    }
+    # vLLM's own timing: per request, last token time - first token time.
+    if decode_hist["count"]:
+        mean_decode = decode_hist["sum"] / decode_hist["count"]
+        result["vllm_request_decode_time_s"] = mean_decode
+        result["vllm_decode_tokens_per_s"] = (
+            batch * (n - 1) / mean_decode if mean_decode > 0 else None)
+    if spec["num_speculative_tokens"]:
+        result["acceptance"] = acceptance(
+            metric_delta(start, end, DRAFTS) or 0,
+            metric_delta(start, end, DRAFT_TOKENS) or 0,
+            metric_delta(start, end, ACCEPTED) or 0,
+            metric_delta(start, end, ACCEPTED_PER_POS))
+    return result
+
+
+def main(spec_path: str) -> None:
+    from vllm import LLM
+
+    spec = json.loads(open(spec_path).read())
+    engine = dict(spec["engine"])
+    k = spec["num_speculative_tokens"]
+    if k:
+        engine["speculative_config"] = {"method": spec["method"],
+                                        "num_speculative_tokens": k}
+    start = time.perf_counter()
+    llm = LLM(**engine, disable_log_stats=False)
+    init_s = time.perf_counter() - start
+    weights = llm.collective_rpc(_weights_bytes)[0]
+    rss_after_load = peak_rss_bytes()
+    emit("PROGRESS", {"event": "engine_ready", "init_s": init_s})
+    batches = []
+    for batch in spec["batch_sizes"]:
+        result = run_batch(llm, spec, batch)
+        batches.append(result)
+        emit("PROGRESS", {"event": "batch_done", "batch_size": batch,
+                          "decode_tokens_per_s":
+                          result["decode_tokens_per_s"],
+                          "acceptance": result.get("acceptance")})
+    emit("RESULT", {
+        "num_speculative_tokens": k,
+        "init_s": init_s,
+        "torch_threads": torch.get_num_threads(),
+        "memory": {"peak_rss_bytes": peak_rss_bytes(),
+                   "peak_rss_after_load_bytes": rss_after_load,
+                   "weights_bytes": weights["target"],
+                   "drafter_weights_bytes": weights["drafter"],
+                   "kv_cache_bytes_configured":
+                   engine.get("kv_cache_memory_bytes")},
+        "batches": batches,
+    })
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,165 @@
+"""The benchmark's report: ratio table, output identity, JSON and PNG."""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+MiB = 1 << 20
+
+
+def config_name(k: int) -> str:
+    return f"mtp_k{k}" if k else "no_mtp"
+
+
+def outputs_digest(outputs: list[list[int]]) -> str:
+    return hashlib.sha1(json.dumps(outputs).encode()).hexdigest()
+
+
+def compare(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per MTP config and batch size: tokens/s ratio over no MTP and whether
+    the greedy outputs are token-identical. Needs the ``outputs`` of each
+    batch (dropped from the JSON afterwards)."""
+    base = next((c for c in configs if c["num_speculative_tokens"] == 0),
+                None)
+    if base is None:
+        return []
+    base_by_batch = {b["batch_size"]: b for b in base["batches"]}
+    rows = []
+    for cfg in configs:
+        if cfg is base:
+            continue
+        for b in cfg["batches"]:
+            ref = base_by_batch.get(b["batch_size"])
+            if ref is None:
+                continue
+            rows.append({
+                "config": cfg["name"],
+                "batch_size": b["batch_size"],
+                "speedup": b["decode_tokens_per_s"] /
+                ref["decode_tokens_per_s"],
+                "outputs_identical": b["outputs"] == ref["outputs"],
+            })
+    return rows
+
+
+def _fmt(value: Optional[float], spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Decode tokens/s per config and batch size, the MTP/no-MTP ratios side
+    by side, acceptance, identity, then memory per config."""
+    configs = results["configs"]
+    ratio = {(r["config"], r["batch_size"]): r
+             for r in results["comparison"]}
+    header = ["batch"] + [f"{c['name']} tok/s" for c in configs]
+    mtp = [c for c in configs if c["num_speculative_tokens"]]
+    for c in mtp:
+        header += [f"{c['name']} ratio", f"{c['name']} acc",
+                   f"{c['name']} len", f"{c['name']} same"]
+    rows = []
+    for i, batch in enumerate(results["settings"]["batch_sizes"]):
+        row = [str(batch)]
+        row += [_fmt(c["batches"][i]["decode_tokens_per_s"], ".1f")
+                for c in configs]
+        for c in mtp:
+            acc = c["batches"][i].get("acceptance") or {}
+            cmp = ratio.get((c["name"], batch))
+            row += [
+                _fmt(cmp and cmp["speedup"], ".2f") + ("x" if cmp else ""),
+                _fmt(acc.get("acceptance_rate"), ".1%"),
+                _fmt(acc.get("mean_acceptance_length"), ".2f"),
+                "-" if cmp is None else
+                ("yes" if cmp["outputs_identical"] else "NO"),
+            ]
+        rows.append(row)
+    lines = [_grid(header, rows)]
+    mem_header = ["config", "peak RSS MiB", "weights MiB", "drafter MiB",
+                  "KV cache MiB", "init s"]
+    mem_rows = []
+    for c in configs:
+        m = c["memory"]
+        kv = m.get("kv_cache_bytes_configured")
+        mem_rows.append([
+            c["name"], f"{m['peak_rss_bytes'] / MiB:.0f}",
+            f"{m['weights_bytes'] / MiB:.2f}",
+            f"{m['drafter_weights_bytes'] / MiB:.2f}",
+            "-" if kv is None else f"{kv / MiB:.0f}", f"{c['init_s']:.1f}"
+        ])
+    lines += ["", _grid(mem_header, mem_rows)]
+    identical = results["outputs_identical"]
+    lines += ["", "greedy outputs with MTP identical to without: " +
+              {True: "yes", False: "NO (see comparison)",
+               None: "not checked (no pair of configs)"}[identical]]
+    return "\n".join(lines)
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header] + rows)
+              for i in range(len(header))]
+    fmt = " | ".join(f"{{:>{w}}}" for w in widths)
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([fmt.format(*header), sep] +
+                     [fmt.format(*r) for r in rows])
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """Decode tokens/s against batch size per config, and the acceptance
+    rate (with mean acceptance length) of each MTP config."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = results["configs"]
+    batches = results["settings"]["batch_sizes"]
+    fig, (ax_tps, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for c in configs:
+        ax_tps.plot(batches,
+                    [b["decode_tokens_per_s"] for b in c["batches"]],
+                    marker="o", label=c["name"])
+    ax_tps.set_xscale("log", base=2)
+    ax_tps.set_xticks(batches, [str(b) for b in batches])
+    ax_tps.set_xlabel("batch size")
+    ax_tps.set_ylabel("decode tokens/s (median)")
+    ax_tps.set_title("Decode throughput")
+    ax_tps.grid(alpha=0.3)
+    ax_tps.legend()
+    mtp = [c for c in configs if c["num_speculative_tokens"]]
+    width = 0.8 / max(len(mtp), 1)
+    for j, c in enumerate(mtp):
+        rates = [(b.get("acceptance") or {}).get("acceptance_rate") or 0.0
+                 for b in c["batches"]]
+        xs = [i + (j - (len(mtp) - 1) / 2) * width
+              for i in range(len(batches))]
+        bars = ax_acc.bar(xs, rates, width, label=c["name"])
+        for bar, b in zip(bars, c["batches"]):
+            length = (b.get("acceptance") or {}).get(
+                "mean_acceptance_length")
+            if length is not None:
+                ax_acc.annotate(f"len {length:.2f}",
+                                (bar.get_x() + bar.get_width() / 2,
+                                 bar.get_height()),
+                                ha="center", va="bottom", fontsize=8)
+    ax_acc.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax_acc.set_ylim(0, 1.1)
+    ax_acc.set_xlabel("batch size")
+    ax_acc.set_ylabel("acceptance rate (accepted / draft tokens)")
+    ax_acc.set_title("MTP acceptance" if mtp else "MTP acceptance (no MTP "
+                     "config)")
+    if mtp:
+        ax_acc.legend()
+    settings = results["settings"]
+    fig.suptitle(f"{Path(settings['model']).name}, {settings['device']}, "
+                 f"{settings['new_tokens']} new tokens, "
+                 f"median of {settings['repeats']}  ({results['created']})",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

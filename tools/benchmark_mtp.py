@@ -1,0 +1,317 @@
+"""Decode throughput of GLM-4.5 with and without MTP, acceptance, memory.
+
+    .venv/bin/python tools/benchmark_mtp.py                  # fixture, k=1
+    .venv/bin/python tools/benchmark_mtp.py --k 1,2 --batch-sizes 1,4
+    .venv/bin/python tools/benchmark_mtp.py --issue3         # = --k "" \
+        --batch-sizes 1,8: the plugin's no-MTP baseline
+
+Each engine configuration (no MTP, then MTP with each ``--k``) runs in a
+fresh process (``tools/bench/engine_child.py``) that, per batch size, makes
+a warm-up run, then ``--repeats`` pairs of timed greedy runs (temperature 0,
+ignore_eos) over the same prompts: one with ``max_tokens=1`` (prefill and
+first token) and one with ``max_tokens=N``. Decode tokens/s of a pair is
+``B * (N - 1) / (T_N - T_1)``; the median over the pairs is reported. The
+greedy outputs with MTP must equal those without; the table says so.
+Writes ``--out`` (JSON) and a PNG next to it. See benchmarks/README.md.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench.report import (compare, config_name, format_table,  # noqa: E402
+                          outputs_digest, write_json, write_plot)
+
+# The parent never imports vLLM: every engine runs in a child process, and
+# from the repository root `import vllm` would find the vllm/ source tree.
+# So this script logs with the standard library.
+logger = logging.getLogger("benchmark_mtp")
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "tiny-glm45"
+CHILD = Path(__file__).resolve().parent / "bench" / "engine_child.py"
+HELDOUT = "heldout_prompts.json"
+TIMING_METHOD = (
+    "decode tokens/s = B*(N-1) / (T_N - T_1): wall time of a greedy run of N "
+    "new tokens minus that of a run of 1 new token over the same B prompts "
+    "(prefill and first token), paired per repeat, median over repeats; "
+    "vllm_decode_tokens_per_s is B*(N-1) / mean of vLLM's per-request "
+    "decode time (last token - first token) over the N-token runs")
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    model: Path = DEFAULT_MODEL
+    ks: list[int] = dataclasses.field(default_factory=lambda: [1])
+    batch_sizes: list[int] = dataclasses.field(
+        default_factory=lambda: [1, 4, 16])
+    new_tokens: int = 32
+    repeats: int = 3
+    warmup_tokens: int = 8
+    dtype: str = "float32"
+    kv_cache_bytes: int = 256 << 20
+    max_model_len: Optional[int] = None
+    method: str = "glm4_moe_mtp"
+    device: str = "cpu"
+    prompts_file: Optional[Path] = None
+    timeout_s: int = 1800
+
+    def validate(self) -> None:
+        if not (self.model / "config.json").is_file():
+            hint = (" (the committed fixture: build it with "
+                    "tools/build_tiny_glm45.py, or pass --model)"
+                    if self.model == DEFAULT_MODEL else "")
+            raise ValueError(f"no config.json in {self.model}{hint}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive integers, got "
+                             f"{self.batch_sizes}")
+        if any(k < 1 for k in self.ks):
+            raise ValueError(f"--k values must be >= 1 (no MTP always "
+                             f"runs), got {self.ks}")
+        if self.new_tokens < 2:
+            raise ValueError("--new-tokens must be >= 2: decode throughput "
+                             "is measured after the first token")
+        if self.repeats < 1 or self.warmup_tokens < 1:
+            raise ValueError("--repeats and --warmup-tokens must be >= 1")
+
+
+def load_prompts(cfg: BenchConfig) -> tuple[list[list[int]], str]:
+    """Token id prompts and where they came from: ``--prompts``, else the
+    model's held-out prompts, else seeded random ids (with a warning)."""
+    path = cfg.prompts_file or cfg.model / HELDOUT
+    if path.is_file():
+        data = json.loads(path.read_text())
+        prompts = [p["token_ids"] if isinstance(p, dict) else p
+                   for p in data]
+        if not prompts or not all(
+                isinstance(p, list) and p and all(
+                    isinstance(t, int) for t in p) for p in prompts):
+            raise ValueError(
+                f"{path}: expected a non-empty JSON list of token id lists "
+                "or of objects with a 'token_ids' list")
+        return prompts, str(path)
+    if cfg.prompts_file:
+        raise ValueError(f"--prompts {cfg.prompts_file} does not exist")
+    vocab = json.loads((cfg.model / "config.json").read_text())["vocab_size"]
+    logger.warning("%s has no %s: using 16 seeded random prompts of 24 "
+                   "tokens (acceptance on them means little)", cfg.model,
+                   HELDOUT)
+    rng = random.Random(0)
+    return [[rng.randrange(1, vocab) for _ in range(24)]
+            for _ in range(16)], "random(seed=0, 16x24)"
+
+
+def engine_kwargs(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+    longest = max(len(p) for p in prompts)
+    need = longest + cfg.new_tokens + max(cfg.ks, default=0) + 1
+    max_len = cfg.max_model_len or -(-need // 64) * 64
+    if max_len < need:
+        raise ValueError(f"--max-model-len {max_len} is below the longest "
+                         f"prompt ({longest}) + --new-tokens + k; use >= "
+                         f"{need}")
+    return dict(model=str(cfg.model), skip_tokenizer_init=True,
+                dtype=cfg.dtype, max_model_len=max_len,
+                max_num_seqs=max(cfg.batch_sizes), seed=0,
+                enable_prefix_caching=False,
+                kv_cache_memory_bytes=cfg.kv_cache_bytes)
+
+
+def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
+               log_path: Path) -> dict[str, Any]:
+    """One engine configuration in a fresh process; its result dict."""
+    spec = {"engine": engine_kwargs(cfg, prompts), "method": cfg.method,
+            "num_speculative_tokens": k, "prompts": prompts,
+            "batch_sizes": cfg.batch_sizes, "new_tokens": cfg.new_tokens,
+            "repeats": cfg.repeats, "warmup_tokens": cfg.warmup_tokens}
+    env = dict(os.environ, VLLM_ASCEND_DEVICE=cfg.device,
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    name = config_name(k)
+    with tempfile.NamedTemporaryFile("w", suffix=".json",
+                                     delete=False) as f:
+        json.dump(spec, f)
+    result = None
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, str(CHILD), f.name],
+                                    stdout=subprocess.PIPE, stderr=log,
+                                    text=True, env=env)
+            timer = threading.Timer(cfg.timeout_s, proc.kill)
+            timer.start()
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("PROGRESS "):
+                    _log_progress(name, json.loads(line[9:]))
+                elif line.startswith("RESULT "):
+                    result = json.loads(line[7:])
+            code = proc.wait()
+            timer.cancel()
+    finally:
+        os.unlink(f.name)
+    if code != 0 or result is None:
+        tail = log_path.read_text()[-4000:]
+        raise RuntimeError(f"{name} failed (exit {code}, killed after "
+                           f"--timeout {cfg.timeout_s} s if -9); log "
+                           f"{log_path}:\n{tail}")
+    result["name"] = name
+    result["log"] = str(log_path)
+    return result
+
+
+def _log_progress(name: str, event: dict[str, Any]) -> None:
+    if event["event"] == "engine_ready":
+        logger.info("%s: engine ready in %.1f s", name, event["init_s"])
+    elif event["event"] == "batch_done":
+        acc = event.get("acceptance") or {}
+        rate = acc.get("acceptance_rate")
+        logger.info("%s: batch %d: %.1f decode tokens/s%s", name,
+                    event["batch_size"], event["decode_tokens_per_s"],
+                    "" if rate is None else f", acceptance {rate:.1%}")
+
+
+def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
+    """Run every configuration and return the results (the JSON's content).
+    Child logs go to ``log_dir``."""
+    cfg.validate()
+    prompts, source = load_prompts(cfg)
+    configs = []
+    for k in [0] + sorted(set(cfg.ks)):
+        logger.info("%s: starting (batch sizes %s, %d new tokens, %d "
+                    "repeats)", config_name(k), cfg.batch_sizes,
+                    cfg.new_tokens, cfg.repeats)
+        configs.append(run_config(cfg, k, prompts,
+                                  log_dir / f"{config_name(k)}.log"))
+    comparison = compare(configs)
+    for c in configs:
+        for b in c["batches"]:
+            b["outputs_sha1"] = outputs_digest(b.pop("outputs"))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": _machine(cfg.device, configs),
+        "settings": {**{k: (str(v) if isinstance(v, Path) else v)
+                        for k, v in dataclasses.asdict(cfg).items()},
+                     "timing_method": TIMING_METHOD,
+                     "engine": engine_kwargs(cfg, prompts)},
+        "prompts": {"source": source, "count": len(prompts),
+                    "mean_len": sum(map(len, prompts)) / len(prompts)},
+        "configs": configs,
+        "comparison": comparison,
+        "outputs_identical":
+        all(r["outputs_identical"] for r in comparison)
+        if comparison else None,
+    }
+
+
+def _machine(device: str, configs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"device": device, "cpu_count": os.cpu_count(),
+            "torch_threads": configs[0].get("torch_threads"),
+            "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def default_out() -> Path:
+    return (ROOT / "benchmarks" / "results" /
+            f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = BenchConfig()
+    p.add_argument("--model", type=Path, default=d.model,
+                   help="checkpoint directory (default: the tiny fixture)")
+    p.add_argument("--k", type=_ints, default=d.ks,
+                   help="MTP draft lengths, comma-separated ('' for none); "
+                   "no MTP always runs (default: 1)")
+    p.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes,
+                   help="default: 1,4,16")
+    p.add_argument("--new-tokens", "-n", type=int, default=d.new_tokens,
+                   help=f"new tokens per request (default {d.new_tokens})")
+    p.add_argument("--repeats", "-r", type=int, default=d.repeats)
+    p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: longest prompt + N + k, rounded up to 64")
+    p.add_argument("--method", default=d.method)
+    p.add_argument("--device", default=os.environ.get(
+        "VLLM_ASCEND_DEVICE", d.device), choices=["cpu", "npu", "auto"],
+                   help="VLLM_ASCEND_DEVICE for the engines (default cpu)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSON list of token id lists (default: the model's "
+                   f"{HELDOUT})")
+    p.add_argument("--timeout", type=int, default=d.timeout_s,
+                   help="seconds per engine configuration")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/<time>.json);"
+                   " the PNG and engine logs go next to it")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--issue3", action="store_true",
+                   help="the plugin's baseline: no MTP at batch 1 and 8 "
+                   "(same as --k '' --batch-sizes 1,8)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    ks, batches = args.k, args.batch_sizes
+    if args.issue3:
+        ks, batches = [], [1, 8]
+    return BenchConfig(model=args.model, ks=ks, batch_sizes=batches,
+                       new_tokens=args.new_tokens, repeats=args.repeats,
+                       warmup_tokens=args.warmup_tokens, dtype=args.dtype,
+                       kv_cache_bytes=args.kv_cache_bytes,
+                       max_model_len=args.max_model_len, method=args.method,
+                       device=args.device, prompts_file=args.prompts,
+                       timeout_s=args.timeout)
+
+
+def main(argv: Optional[list[str]] = None,
+         emit: Callable[[str], None] = print) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    cfg = config_from_args(args)
+    out = args.out or default_out()
+    try:
+        results = run_benchmark(cfg, out.with_suffix(".logs"))
+    except ValueError as e:
+        raise SystemExit(f"benchmark_mtp: {e}") from None
+    write_json(results, out)
+    emit(format_table(results))
+    emit(f"timing: {TIMING_METHOD}")
+    emit(f"JSON: {out}")
+    if not args.no_plot:
+        png = out.with_suffix(".png")
+        write_plot(results, png)
+        emit(f"plot: {png}")
+    if results["outputs_identical"] is False:
+        raise SystemExit("benchmark_mtp: greedy outputs with MTP differ from "
+                         "those without; the speedups are not valid")
+    return results
+
+
+if __name__ == "__main__":
+    main()
