@@ -1,0 +1,201 @@
+"""tools/benchmark_mtp.py: its arithmetic, its input checks, and one small
+end-to-end run (batch 1, 4 new tokens, 1 repeat) on a random tiny GLM-4.5
+checked for schema and internal consistency. No timing thresholds."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.e2e.checkpoints import write_random_glm45
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import benchmark_mtp  # noqa: E402
+from bench import report, stats  # noqa: E402
+
+# -- arithmetic ------------------------------------------------------------
+
+
+def test_decode_tokens_per_s_subtracts_the_one_token_run():
+    # 4 requests x 9 decode tokens in 3 s (5 s - 2 s).
+    assert stats.decode_tokens_per_s(5.0, 2.0, 4, 10) == pytest.approx(12.0)
+
+
+@pytest.mark.parametrize("t_full,t_one,n,match", [
+    (1.0, 1.5, 10, "not slower"),
+    (2.0, 1.0, 1, "at least 2 new tokens"),
+])
+def test_decode_tokens_per_s_rejects_meaningless_timings(
+        t_full, t_one, n, match):
+    with pytest.raises(ValueError, match=match):
+        stats.decode_tokens_per_s(t_full, t_one, 1, n)
+
+
+def test_acceptance_matches_vllm_definitions():
+    # 10 drafts of 2 tokens: 8 first and 5 second tokens accepted.
+    got = stats.acceptance(10, 20, 13, [8, 5])
+    assert got["acceptance_rate"] == pytest.approx(13 / 20)
+    assert got["mean_acceptance_length"] == pytest.approx(2.3)
+    assert got["acceptance_rate_per_pos"] == pytest.approx([0.8, 0.5])
+    none = stats.acceptance(0, 0, 0, None)
+    assert none["acceptance_rate"] is None
+    assert none["mean_acceptance_length"] is None
+    with pytest.raises(ValueError, match="inconsistent"):
+        stats.acceptance(10, 10, 11, [11])
+
+
+def test_metric_delta_of_counters_and_vectors():
+    before = {"c": 3, "v": [1, 2]}
+    after = {"c": 10, "v": [4, 2], "new": 5}
+    assert stats.metric_delta(before, after, "c") == 7
+    assert stats.metric_delta(before, after, "v") == [3, 0]
+    assert stats.metric_delta(before, after, "new") == 5
+    assert stats.metric_delta(before, after, "missing") is None
+
+
+def test_compare_flags_different_outputs():
+    def cfg(k, tps, outs):
+        return {"name": report.config_name(k), "num_speculative_tokens": k,
+                "batches": [{"batch_size": 1, "decode_tokens_per_s": tps,
+                             "outputs": outs}]}
+
+    rows = report.compare([cfg(0, 10.0, [[1, 2]]), cfg(1, 15.0, [[1, 3]])])
+    assert rows == [{"config": "mtp_k1", "batch_size": 1, "speedup": 1.5,
+                     "outputs_identical": False}]
+    assert report.compare([cfg(1, 15.0, [[1]])]) == []
+
+
+# -- input checks ------------------------------------------------------------
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    cfg = benchmark_mtp.BenchConfig(model=tmp_path / "nope")
+    with pytest.raises(ValueError, match="no config.json"):
+        cfg.validate()
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    write_random_glm45(tmp_path)
+    for bad in (dict(new_tokens=1), dict(batch_sizes=[0]), dict(ks=[0])):
+        with pytest.raises(ValueError):
+            benchmark_mtp.BenchConfig(model=tmp_path, **bad).validate()
+    (tmp_path / "p.json").write_text('[["a"]]')
+    cfg = benchmark_mtp.BenchConfig(model=tmp_path,
+                                    prompts_file=tmp_path / "p.json")
+    with pytest.raises(ValueError, match="token id lists"):
+        benchmark_mtp.load_prompts(cfg)
+
+
+def test_issue3_flag_is_the_no_mtp_baseline_at_1_and_8():
+    cfg = benchmark_mtp.config_from_args(
+        benchmark_mtp.parse_args(["--issue3"]))
+    assert (cfg.ks, cfg.batch_sizes) == ([], [1, 8])
+    cfg = benchmark_mtp.config_from_args(
+        benchmark_mtp.parse_args(["--k", "", "--batch-sizes", "1,8"]))
+    assert (cfg.ks, cfg.batch_sizes) == ([], [1, 8])
+
+
+# -- one small run -----------------------------------------------------------
+
+N, B, R = 4, 1, 1
+
+
+def _checkpoint_param_bytes(path: Path, num_layers: int) -> tuple[int, int]:
+    """Bytes of the main model's and of the MTP layer's float32 tensors."""
+    main = mtp = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            size = f.get_tensor(name).numel() * 4
+            if name.startswith(f"model.layers.{num_layers}."):
+                mtp += size
+            else:
+                main += size
+    return main, mtp
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    model = write_random_glm45(tmp_path_factory.mktemp("rand"))
+    prompts = tmp_path_factory.mktemp("p") / "prompts.json"
+    prompts.write_text(json.dumps([list(range(1, 12)), [7, 8, 9]]))
+    cfg = benchmark_mtp.BenchConfig(model=model, ks=[1], batch_sizes=[B],
+                                    new_tokens=N, repeats=R, warmup_tokens=2,
+                                    kv_cache_bytes=16 << 20,
+                                    prompts_file=prompts, timeout_s=300)
+    logs = tmp_path_factory.mktemp("logs")
+    return model, benchmark_mtp.run_benchmark(cfg, logs)
+
+
+def test_run_schema(run):
+    _, res = run
+    assert res["schema_version"] == benchmark_mtp.SCHEMA_VERSION
+    assert res["settings"]["batch_sizes"] == [B]
+    assert "T_N - T_1" in res["settings"]["timing_method"]
+    assert res["prompts"]["count"] == 2
+    assert [c["name"] for c in res["configs"]] == ["no_mtp", "mtp_k1"]
+    for c in res["configs"]:
+        assert set(c["memory"]) >= {"peak_rss_bytes", "weights_bytes",
+                                    "drafter_weights_bytes"}
+        [batch] = c["batches"]
+        assert batch["batch_size"] == B and len(batch["runs"]) == R
+        assert "outputs" not in batch and len(batch["outputs_sha1"]) == 40
+        assert Path(c["log"]).is_file()
+    json.dumps(res)  # serializable as is
+
+
+def test_run_numbers_are_consistent(run):
+    model, res = run
+    config = json.loads((model / "config.json").read_text())
+    main_bytes, mtp_bytes = _checkpoint_param_bytes(
+        model, config["num_hidden_layers"])
+    for c in res["configs"]:
+        [batch] = c["batches"]
+        [r] = batch["runs"]
+        assert r["t_full_s"] > r["t_one_s"] > 0
+        assert batch["decode_tokens_per_s"] == pytest.approx(
+            B * (N - 1) / (r["t_full_s"] - r["t_one_s"]))
+        assert batch["vllm_decode_tokens_per_s"] > 0
+        mem = c["memory"]
+        assert mem["peak_rss_bytes"] >= mem["peak_rss_after_load_bytes"] > 0
+        # vLLM fuses tensors but keeps every parameter; buffers add.
+        assert mem["weights_bytes"] >= main_bytes
+    no_mtp, mtp = res["configs"]
+    assert "acceptance" not in no_mtp["batches"][0]
+    assert no_mtp["memory"]["drafter_weights_bytes"] == 0
+    # The drafter shares nothing it does not own except embedding/head.
+    assert 0 < mtp["memory"]["drafter_weights_bytes"] <= mtp_bytes
+    acc = mtp["batches"][0]["acceptance"]
+    # One draft per decode step; accepted drafts skip steps.
+    assert 0 < acc["num_drafts"] <= B * (N - 1) * R
+    assert acc["num_draft_tokens"] == acc["num_drafts"]
+    assert 0 <= acc["num_accepted_tokens"] <= acc["num_draft_tokens"]
+    assert acc["mean_acceptance_length"] == pytest.approx(
+        1 + acc["num_accepted_tokens"] / acc["num_drafts"])
+    assert sum(acc["num_accepted_tokens_per_pos"]) == \
+        acc["num_accepted_tokens"]
+
+
+def test_run_outputs_identical_and_ratio(run):
+    _, res = run
+    no_mtp, mtp = res["configs"]
+    assert res["outputs_identical"] is True
+    assert (mtp["batches"][0]["outputs_sha1"] ==
+            no_mtp["batches"][0]["outputs_sha1"])
+    [row] = res["comparison"]
+    assert row["speedup"] == pytest.approx(
+        mtp["batches"][0]["decode_tokens_per_s"] /
+        no_mtp["batches"][0]["decode_tokens_per_s"])
+
+
+def test_run_report_files(run, tmp_path):
+    _, res = run
+    table = report.format_table(res)
+    assert "mtp_k1 ratio" in table and "identical to without: yes" in table
+    report.write_json(res, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text()) == res
+    report.write_plot(res, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
