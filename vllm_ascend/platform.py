@@ -111,6 +111,8 @@ class AscendPlatform(Platform):
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         from vllm.config import CompilationLevel, CUDAGraphMode
 
+        from vllm_ascend.spec_decode.mtp_proposer import check_mtp_config
+
         if vllm_config.model_config is not None:
             vllm_config.model_config.disable_cascade_attn = True
         cache_config = vllm_config.cache_config
@@ -132,6 +134,7 @@ class AscendPlatform(Platform):
                            "on the CPU reference device.")
             scheduler_config.async_scheduling = False
 
+        check_mtp_config(vllm_config)
         compilation_config = vllm_config.compilation_config
         spec = vllm_config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0

@@ -12,6 +12,41 @@ import json
 import sys
 
 
+def inspect_runner(worker) -> dict:
+    """What the KV-cache and weight-sharing tests check, read in the worker."""
+    runner = worker.model_runner
+    groups = [list(g.layer_names)
+              for g in runner.kv_cache_config.kv_cache_groups]
+    info = {
+        "kv_cache_groups": groups,
+        "num_block_tables": len(runner.input_batch.block_table.block_tables),
+    }
+    info["kv_cache_num_blocks"] = {
+        name: int(layer.kv_cache[0].shape[1])
+        for name, layer in
+        runner.compilation_config.static_forward_context.items()
+        if hasattr(layer, "kv_cache")
+    }
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        target, draft = runner.model, drafter.model
+        vocab = runner.model_config.get_vocab_size()
+        info.update(
+            draft_attn_layers=list(drafter.attn_layer_names),
+            draft_vocab_params=[
+                name for name, p in draft.named_parameters()
+                if vocab in p.shape
+            ],
+            draft_embed_ptr=draft.model.embed_tokens.weight.data_ptr(),
+            target_embed_ptr=target.model.embed_tokens.weight.data_ptr(),
+            draft_lm_head_ptr=draft.lm_head.weight.data_ptr()
+            if getattr(draft, "lm_head", None) is not None else None,
+            target_lm_head_ptr=target.lm_head.weight.data_ptr(),
+            drafter_class=type(drafter).__name__,
+        )
+    return info
+
+
 def main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -32,10 +67,13 @@ def main(spec_path: str) -> None:
             if value is None:
                 value = metric.value
             metrics[metric.name] = value
-    print(json.dumps({
+    result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         "metrics": metrics,
-    }))
+    }
+    if spec.get("inspect"):
+        result["inspect"] = llm.collective_rpc(inspect_runner)[0]
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

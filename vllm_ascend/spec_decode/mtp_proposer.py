@@ -1,4 +1,11 @@
-"""The MTP proposer for GLM-4.5 on the Ascend path."""
+"""The MTP proposer for GLM-4.5 on the Ascend path.
+
+vLLM's EAGLE/MTP proposer already runs the draft in the target's KV cache
+group (same block tables and slot mapping) and, with the series' patch 0005,
+points the draft at the target's embedding and LM head. This subclass is
+what the plugin selects for a GLM-4.5 MTP draft, whichever method name
+(``glm4_moe_mtp`` or ``mtp``) asked for it, and reports what it shares.
+"""
 
 import torch
 from vllm.config import VllmConfig
@@ -7,11 +14,44 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 logger = init_logger(__name__)
 
+GLM4_MOE_MTP_ARCH = "Glm4MoeMTPModel"
+# The one MTP layer is applied k times; 1 to 3 is what is tested and what
+# GLM-4.5's head predicts usefully (acceptance falls with each step).
+MAX_MTP_SPECULATIVE_TOKENS = 3
+
+
+def check_mtp_config(vllm_config: VllmConfig) -> None:
+    """Reject, at startup, a GLM-4.5 MTP setting the plugin does not run."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        return
+    arch = spec.draft_model_config.hf_config.architectures[0]
+    if (arch == GLM4_MOE_MTP_ARCH
+            and spec.num_speculative_tokens > MAX_MTP_SPECULATIVE_TOKENS):
+        raise ValueError(
+            f"num_speculative_tokens={spec.num_speculative_tokens} is more "
+            f"than vllm_ascend supports for GLM-4.5 MTP (1 to "
+            f"{MAX_MTP_SPECULATIVE_TOKENS}); lower it in --speculative-config.")
+
 
 class AscendMtpProposer(EagleProposer):
-    """vLLM's EAGLE/MTP proposer, drafting with the GLM-4.5 MTP layer."""
+    """Drafts with the GLM-4.5 MTP layer, applied ``k`` times."""
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        shared = getattr(self.model, "target_shared", {})
+        logger.info(
+            "GLM-4.5 MTP draft: %d attention layer(s) %s in the target's KV "
+            "cache group; shares the target's %s.",
+            len(self.attn_layer_names), self.attn_layer_names,
+            ", ".join(name for name, n in shared.items() if n) or "nothing")
 
 
 def make_proposer(vllm_config: VllmConfig, device: torch.device,
                   runner) -> EagleProposer:
-    return AscendMtpProposer(vllm_config, device, runner)
+    """The proposer for this draft: ours for GLM-4.5 MTP, else vLLM's."""
+    spec = vllm_config.speculative_config
+    arch = spec.draft_model_config.hf_config.architectures[0]
+    if arch == GLM4_MOE_MTP_ARCH:
+        return AscendMtpProposer(vllm_config, device, runner)
+    return EagleProposer(vllm_config, device, runner)

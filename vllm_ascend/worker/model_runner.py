@@ -13,6 +13,8 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
+from vllm_ascend.sample import AscendRejectionSampler
+from vllm_ascend.spec_decode.mtp_proposer import make_proposer
 from vllm_ascend.worker.streams import device_streams
 
 logger = init_logger(__name__)
@@ -25,12 +27,8 @@ class AscendModelRunner(GPUModelRunner):
             super().__init__(vllm_config, torch_device)
         self.cascade_attn_enabled = False
         if hasattr(self, "rejection_sampler"):
-            from vllm_ascend.sample.rejection_sampler import (
-                AscendRejectionSampler)
             self.rejection_sampler = AscendRejectionSampler()
         if isinstance(getattr(self, "drafter", None), EagleProposer):
-            from vllm_ascend.spec_decode.mtp_proposer import (
-                make_proposer)
             self.drafter = make_proposer(vllm_config, torch_device, self)
 
     def _init_device_properties(self) -> None:
