@@ -8,7 +8,7 @@ published checkpoints, the MTP layer at ``model.layers.<num_hidden_layers>``.
 import json
 import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,16 +104,23 @@ def mtp_prefix(config: dict[str, Any]) -> str:
 
 
 def load_main_model(model_dir: PathLike):
-    """The main model as transformers' ``Glm4MoeForCausalLM`` (float32)."""
+    """The main model as transformers' ``Glm4MoeForCausalLM`` (float32).
+
+    The MTP tensors are skipped quietly: transformers does not use them.
+    """
     from transformers import Glm4MoeForCausalLM
 
-    model = Glm4MoeForCausalLM.from_pretrained(str(model_dir),
-                                               dtype=torch.float32)
+    layer = read_config(model_dir)["num_hidden_layers"]
+    quiet = type("Glm4MoeForCausalLM", (Glm4MoeForCausalLM, ), {
+        "_keys_to_ignore_on_load_unexpected": [rf"model\.layers\.{layer}\."]
+    })
+    model = quiet.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
 
 
 def load_mtp_layer(model_dir: PathLike,
-                   tensors: dict[str, torch.Tensor] = None) -> MtpLayer:
+                   tensors: Optional[dict[str, torch.Tensor]] = None
+                   ) -> MtpLayer:
     """The MTP layer from its own tensors (including its embed/head copies).
 
     Raises if a tensor of the layer is missing or unexpected.
