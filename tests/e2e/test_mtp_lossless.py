@@ -52,10 +52,12 @@ def _check(got, baseline, k):
     assert got["outputs"] == baseline
     assert len(baseline[-1]) == 256 - 250
     metrics = got["metrics"]
-    # Drafts were really proposed and verified (k per draft).
+    # Drafts were really proposed and verified: k per draft, except where
+    # the scheduler cut them at max_model_len.
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert drafts > 0
-    assert metrics["vllm:spec_decode_num_draft_tokens"] == k * drafts
+    assert (k - 1) * drafts < metrics[
+        "vllm:spec_decode_num_draft_tokens"] <= k * drafts
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
 
 
