@@ -61,10 +61,13 @@ def test_compare_flags_different_outputs():
     def cfg(k, tps, outs):
         return {"name": report.config_name(k), "num_speculative_tokens": k,
                 "batches": [{"batch_size": 1, "decode_tokens_per_s": tps,
+                             "best_decode_tokens_per_s": 2 * tps,
+                             "decode_tokens_per_cpu_s": tps + 10,
                              "outputs": outs}]}
 
     rows = report.compare([cfg(0, 10.0, [[1, 2]]), cfg(1, 15.0, [[1, 3]])])
     assert rows == [{"config": "mtp_k1", "batch_size": 1, "speedup": 1.5,
+                     "speedup_best": 1.5, "speedup_cpu": 25 / 20,
                      "outputs_identical": False}]
     assert report.compare([cfg(1, 15.0, [[1]])]) == []
 
@@ -158,6 +161,10 @@ def test_run_numbers_are_consistent(run):
         assert r["t_full_s"] > r["t_one_s"] > 0
         assert batch["decode_tokens_per_s"] == pytest.approx(
             B * (N - 1) / (r["t_full_s"] - r["t_one_s"]))
+        assert batch["decode_tokens_per_cpu_s"] == pytest.approx(
+            B * (N - 1) / (r["cpu_full_s"] - r["cpu_one_s"]))
+        assert batch["best_decode_tokens_per_s"] == \
+            batch["decode_tokens_per_s"]  # one repeat
         assert batch["vllm_decode_tokens_per_s"] > 0
         mem = c["memory"]
         assert mem["peak_rss_bytes"] >= mem["peak_rss_after_load_bytes"] > 0
@@ -170,7 +177,8 @@ def test_run_numbers_are_consistent(run):
     assert 0 < mtp["memory"]["drafter_weights_bytes"] <= mtp_bytes
     acc = mtp["batches"][0]["acceptance"]
     # One draft per decode step; accepted drafts skip steps.
-    assert 0 < acc["num_drafts"] <= B * (N - 1) * R
+    attempts = sum(r["attempts"] for r in mtp["batches"][0]["runs"])
+    assert 0 < acc["num_drafts"] <= B * (N - 1) * attempts
     assert acc["num_draft_tokens"] == acc["num_drafts"]
     assert 0 <= acc["num_accepted_tokens"] <= acc["num_draft_tokens"]
     assert acc["mean_acceptance_length"] == pytest.approx(

@@ -47,9 +47,11 @@ HELDOUT = "heldout_prompts.json"
 TIMING_METHOD = (
     "decode tokens/s = B*(N-1) / (T_N - T_1): wall time of a greedy run of N "
     "new tokens minus that of a run of 1 new token over the same B prompts "
-    "(prefill and first token), paired per repeat, median over repeats; "
-    "vllm_decode_tokens_per_s is B*(N-1) / mean of vLLM's per-request "
-    "decode time (last token - first token) over the N-token runs")
+    "(prefill and first token), paired per repeat, median over repeats "
+    "(best_*: the fastest pair); *_per_cpu_s: the same with the engine "
+    "process's CPU time instead of wall time; vllm_decode_tokens_per_s: "
+    "B*(N-1) / mean of vLLM's per-request decode time (last token - first "
+    "token) over the N-token runs")
 SCHEMA_VERSION = 1
 
 
@@ -59,8 +61,8 @@ class BenchConfig:
     ks: list[int] = dataclasses.field(default_factory=lambda: [1])
     batch_sizes: list[int] = dataclasses.field(
         default_factory=lambda: [1, 4, 16])
-    new_tokens: int = 32
-    repeats: int = 3
+    new_tokens: int = 64
+    repeats: int = 5
     warmup_tokens: int = 8
     dtype: str = "float32"
     kv_cache_bytes: int = 256 << 20
@@ -69,6 +71,9 @@ class BenchConfig:
     device: str = "cpu"
     prompts_file: Optional[Path] = None
     timeout_s: int = 1800
+    # One thread: on a shared 2-core host, torch's OpenMP threads spin when
+    # another process holds a core and a step takes 10-50x longer.
+    threads: Optional[int] = 1
 
     def validate(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -85,6 +90,8 @@ class BenchConfig:
         if self.new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2: decode throughput "
                              "is measured after the first token")
+        if self.threads is not None and self.threads < 0:
+            raise ValueError("--threads must be >= 0 (0: torch's default)")
         if self.repeats < 1 or self.warmup_tokens < 1:
             raise ValueError("--repeats and --warmup-tokens must be >= 1")
 
@@ -136,9 +143,12 @@ def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
     spec = {"engine": engine_kwargs(cfg, prompts), "method": cfg.method,
             "num_speculative_tokens": k, "prompts": prompts,
             "batch_sizes": cfg.batch_sizes, "new_tokens": cfg.new_tokens,
-            "repeats": cfg.repeats, "warmup_tokens": cfg.warmup_tokens}
+            "repeats": cfg.repeats, "warmup_tokens": cfg.warmup_tokens,
+            "threads": cfg.threads}
     env = dict(os.environ, VLLM_ASCEND_DEVICE=cfg.device,
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if cfg.threads:
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
     name = config_name(k)
     with tempfile.NamedTemporaryFile("w", suffix=".json",
                                      delete=False) as f:
@@ -262,6 +272,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSON list of token id lists (default: the model's "
                    f"{HELDOUT})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads per engine (default 1; 0 keeps "
+                   "torch's default)")
     p.add_argument("--timeout", type=int, default=d.timeout_s,
                    help="seconds per engine configuration")
     p.add_argument("--out", type=Path, default=None,
@@ -284,7 +297,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        kv_cache_bytes=args.kv_cache_bytes,
                        max_model_len=args.max_model_len, method=args.method,
                        device=args.device, prompts_file=args.prompts,
-                       timeout_s=args.timeout)
+                       timeout_s=args.timeout, threads=args.threads)
 
 
 def main(argv: Optional[list[str]] = None,
