@@ -83,6 +83,17 @@ def format_table(results: dict[str, Any]) -> str:
             ]
         rows.append(row)
     lines = [_grid(header, rows)]
+    detail_header = ["config", "batch", "median tok/s", "best tok/s",
+                     "tok/CPU-s", "vLLM-timed tok/s", "T_N s", "T_1 s"]
+    detail = [[c["name"], str(b["batch_size"]),
+               _fmt(b["decode_tokens_per_s"], ".1f"),
+               _fmt(b["best_decode_tokens_per_s"], ".1f"),
+               _fmt(b["decode_tokens_per_cpu_s"], ".1f"),
+               _fmt(b.get("vllm_decode_tokens_per_s"), ".1f"),
+               _fmt(b["median_t_full_s"], ".3f"),
+               _fmt(b["median_t_one_s"], ".3f")]
+              for c in configs for b in c["batches"]]
+    lines += ["", _grid(detail_header, detail)]
     mem_header = ["config", "peak RSS MiB", "weights MiB", "drafter MiB",
                   "KV cache MiB", "init s"]
     mem_rows = []
