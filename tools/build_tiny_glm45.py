@@ -16,6 +16,7 @@ README with the measured greedy MTP acceptance.
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -297,7 +298,9 @@ Built by `tools/build_tiny_glm45.py` (do not edit by hand; re-run it):
 
 torch {info["torch_version"]}, transformers {info["transformers_version"]},
 {info["args"]["threads"]} CPU thread(s); training took
-{info["train_seconds"]:.0f} s ({info["total_seconds"]:.0f} s in all).
+{info["train_seconds"]:.0f} s ({info["total_seconds"]:.0f} s in all) with a
+machine load average of {info.get("load_average", "n/a")} (on a shared CPU
+the time grows with the load).
 Same seed, same torch: the same tensors (float reductions may differ across
 torch versions or thread counts).
 
@@ -315,7 +318,7 @@ torch versions or thread counts).
   (they were tied during training).
 - `tokenizer.json`, `tokenizer_config.json`: byte-level BPE trained on the
   corpus; plain encoding prepends `[gMASK]<sop>`; eos and pad
-  `<|endoftext|>`; a chat template `[gMASK]<sop><|user|>\n...<|assistant|>\n`.
+  `<|endoftext|>`; a chat template `[gMASK]<sop><|user|>\\n...<|assistant|>\\n`.
 - `heldout_prompts.json`: {acc["k1"]["num_prompts"]} prompts (text and token ids) that
   no training document starts with.
 - `build_info.json`: arguments, losses, timings, the numbers below.
@@ -333,7 +336,11 @@ Auxiliary-loss-free balancing moves `e_score_correction_bias`.
 ## Measured greedy MTP acceptance (held-out prompts, {acc["k1"]["max_new_tokens"]} new tokens)
 Replaying speculative decoding with `tools/glm45_reference.py`
 (`glm45ref.measure_acceptance`): per step k drafts, accepted while they
-equal the main model's greedy tokens.
+equal the main model's greedy tokens. The steps and accepted counts are
+what vLLM's spec-decode counters (`num_drafts`, `num_draft_tokens`,
+`num_accepted_tokens`, per position) report for the same prompts with
+`temperature=0`, `max_tokens={acc["k1"]["max_new_tokens"]}`, `ignore_eos=True`, provided
+vLLM's greedy outputs equal the reference's.
 
 | k | acceptance rate | per position | mean accepted length | steps |
 |---|---|---|---|---|
@@ -347,6 +354,22 @@ Reproduce the numbers:
     .venv/bin/python tools/glm45_reference.py --model-dir tests/fixtures/tiny-glm45 --k 1 2 3
 """
     (out / "README.md").write_text(text)
+
+
+def measure_all(out: Path, max_new_tokens: int) -> dict[str, Any]:
+    """Held-out acceptance for k = 1, 2, 3."""
+    heldout = json.loads((out / "heldout_prompts.json").read_text())
+    prompts = [h["token_ids"] for h in heldout]
+    ref = Glm45Reference(out)
+    results = {}
+    for k in (1, 2, 3):
+        r = measure_acceptance(out, prompts, max_new_tokens, k,
+                               reference=ref)
+        r.pop("outputs")
+        r.pop("model_dir")
+        results[f"k{k}"] = r
+        print(json.dumps({f"k{k}": r}), flush=True)
+    return results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -369,6 +392,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-heldout", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--remeasure", action="store_true",
+                   help="no training: measure <out> again, update "
+                   "build_info.json and README.md")
     return p.parse_args(argv)
 
 
@@ -378,6 +404,13 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.remeasure:
+        info = json.loads((args.out / "build_info.json").read_text())
+        info["acceptance"] = measure_all(args.out, args.max_new_tokens)
+        (args.out / "build_info.json").write_text(
+            json.dumps(info, indent=1) + "\n")
+        write_readme(args.out, info)
+        return 0
     torch.manual_seed(args.seed)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -423,16 +456,7 @@ def main(argv=None) -> int:
     train_seconds = time.time() - t_train
 
     files = save_sharded(out, checkpoint_tensors(model, mtp))
-    ref = Glm45Reference(out)
-    prompts = [h["token_ids"] for h in heldout]
-    results = {}
-    for k in (1, 2, 3):
-        r = measure_acceptance(out, prompts, args.max_new_tokens, k,
-                               reference=ref)
-        r.pop("outputs")
-        r.pop("model_dir")
-        results[f"k{k}"] = r
-        print(json.dumps({f"k{k}": r}), flush=True)
+    results = measure_all(out, args.max_new_tokens)
     info = {
         "command": "python tools/build_tiny_glm45.py " +
         " ".join(argv if argv is not None else sys.argv[1:]),
@@ -440,6 +464,7 @@ def main(argv=None) -> int:
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "train_seconds": round(train_seconds, 1),
+        "load_average": round(os.getloadavg()[1], 1),
         "total_seconds": round(time.time() - t0, 1),
         "shard_bytes": {f.name: f.stat().st_size for f in files},
         "acceptance": results,

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from glm45ref import Glm45Reference, measure_acceptance  # noqa: E402
@@ -49,7 +51,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="draft tokens per step (one run per value)")
     parser.add_argument("--outputs", action="store_true",
                         help="include the generated token ids")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; the model is tiny, more threads "
+                        "only contend on a shared CPU")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts
                            or args.model_dir / "heldout_prompts.json")
     ref = Glm45Reference(args.model_dir)

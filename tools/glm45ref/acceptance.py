@@ -8,6 +8,8 @@ commits token x_m, the MTP layer drafts k tokens from position m - 1 (its
 attention cache holds positions 0..m-1 computed from committed tokens), the
 drafts are accepted while they equal x_{m+1}, x_{m+2}, ..., and the next step
 starts after the accepted tokens plus the main model's own (bonus) token.
+The counts are those of vLLM's spec-decode metrics for the same run
+(``num_drafts`` = steps, ``num_draft_tokens``, ``num_accepted_tokens``).
 """
 
 from pathlib import Path
@@ -86,23 +88,31 @@ class Glm45Reference:
             drafts.append(int(self.mtp.logits(h).argmax()))
         return drafts
 
+    @torch.no_grad()
     def simulate(self, prompt: list[int], max_new_tokens: int,
                  k: int) -> dict[str, Any]:
-        """Replays speculative decoding with k drafts on one prompt."""
+        """Replays speculative decoding with k drafts on one prompt.
+
+        Follows vLLM's v1 schedule with ``max_tokens=max_new_tokens`` and
+        ``ignore_eos``: the prefill commits the first token, then every step
+        verifies k drafts (also when the request will be cut at
+        max_new_tokens, so the last drafts are checked against greedy
+        tokens past the limit) until max_new_tokens tokens are out.
+        """
         if k < 1:
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
-        tokens, hidden = self.greedy(prompt, max_new_tokens)
+        tokens, hidden = self.greedy(prompt, max_new_tokens + k)
         g, (keys, values) = self.mtp_prefill(tokens, hidden)
-        last = len(tokens) - 1
+        end = len(prompt) + max_new_tokens  # tokens[P:end] are the outputs
         first_drafts = self.mtp.logits(g).argmax(-1)
         token_hits = [
             int(first_drafts[p]) == tokens[p + 2]
-            for p in range(len(prompt) - 1, last - 1)
+            for p in range(len(prompt) - 1, end - 2)
         ]
         accepted_at = [0] * k
         steps = 0
         m = len(prompt)  # x_m was just sampled by the main model
-        while m + k <= last:
+        while m < end - 1:
             past = (keys[:, :, :m], values[:, :, :m])
             drafts = self.draft_chain(g[m - 1], m - 1, past, k)
             a = 0
@@ -112,7 +122,7 @@ class Glm45Reference:
             steps += 1
             m += a + 1
         return {
-            "tokens": tokens,
+            "tokens": tokens[:end],
             "steps": steps,
             "accepted_at": accepted_at,
             "token_hits": sum(token_hits),
@@ -128,7 +138,9 @@ def measure_acceptance(model_dir: Union[str, Path],
                        ) -> dict[str, Any]:
     """Greedy MTP acceptance of ``model_dir`` over ``prompts``.
 
-    Returns ``acceptance_rate`` (accepted / drafted tokens, vLLM's metric),
+    The counts use vLLM's names (``num_drafts``, ``num_draft_tokens``,
+    ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``). Returns also
+    ``acceptance_rate`` (accepted / drafted tokens),
     ``per_position_acceptance`` (share of steps whose draft j was accepted),
     ``mean_accepted_length`` (1 + accepted per step: tokens per step),
     ``token_level_k1_acceptance`` (first draft vs the greedy token at every
@@ -154,8 +166,10 @@ def measure_acceptance(model_dir: Union[str, Path],
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "num_steps": steps,
+        "num_drafts": steps,
         "num_draft_tokens": steps * k,
         "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": accepted_at,
         "acceptance_rate": accepted / max(1, steps * k),
         "per_position_acceptance": [a / max(1, steps) for a in accepted_at],
         "mean_accepted_length": 1 + accepted / max(1, steps),
