@@ -138,10 +138,11 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     configs = results["configs"]
     batches = results["settings"]["batch_sizes"]
     fig, (ax_tps, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {c["name"]: f"C{i}" for i, c in enumerate(configs)}
     for c in configs:
         ax_tps.plot(batches,
                     [b["decode_tokens_per_s"] for b in c["batches"]],
-                    marker="o", label=c["name"])
+                    marker="o", label=c["name"], color=colors[c["name"]])
     ax_tps.set_xscale("log", base=2)
     ax_tps.set_xticks(batches, [str(b) for b in batches])
     ax_tps.set_xlabel("batch size")
@@ -156,23 +157,25 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
                  for b in c["batches"]]
         xs = [i + (j - (len(mtp) - 1) / 2) * width
               for i in range(len(batches))]
-        bars = ax_acc.bar(xs, rates, width, label=c["name"])
+        bars = ax_acc.bar(xs, rates, width, label=c["name"],
+                          color=colors[c["name"]])
         for bar, b in zip(bars, c["batches"]):
             length = (b.get("acceptance") or {}).get(
                 "mean_acceptance_length")
             if length is not None:
+                # Mean acceptance length, written up the bar.
                 ax_acc.annotate(f"len {length:.2f}",
-                                (bar.get_x() + bar.get_width() / 2,
-                                 bar.get_height()),
-                                ha="center", va="bottom", fontsize=8)
+                                (bar.get_x() + bar.get_width() / 2, 0.02),
+                                ha="center", va="bottom", rotation=90,
+                                fontsize=8)
     ax_acc.set_xticks(range(len(batches)), [str(b) for b in batches])
-    ax_acc.set_ylim(0, 1.1)
+    ax_acc.set_ylim(0, 1.25)
     ax_acc.set_xlabel("batch size")
     ax_acc.set_ylabel("acceptance rate (accepted / draft tokens)")
     ax_acc.set_title("MTP acceptance" if mtp else "MTP acceptance (no MTP "
                      "config)")
     if mtp:
-        ax_acc.legend()
+        ax_acc.legend(loc="upper right", fontsize=8)
     settings = results["settings"]
     fig.suptitle(f"{Path(settings['model']).name}, {settings['device']}, "
                  f"{settings['new_tokens']} new tokens, "
