@@ -5,8 +5,8 @@
 Starts ``vllm serve`` (our plugin picks the device: the CPU reference device
 on a host without an NPU) on a free localhost port with the flags of the
 original GLM-4.5 MTP report that make sense on one host, waits for /health,
-sends a chat request (or a completion when the tokenizer has no chat
-template), non-streaming then streaming, through the OpenAI client, prints
+sends a completion and, when the tokenizer has a chat template, a chat
+request, each non-streaming then streaming, through the OpenAI client, prints
 the speculative-decoding counters from /metrics and stops the server.
 
 ``ServeProcess`` is also what ``tests/server`` uses to run its servers.
@@ -187,43 +187,51 @@ def _check_model(model: Path) -> None:
             "into tokens; use a checkpoint directory with its tokenizer.")
 
 
+def _prompt(model: Path) -> str:
+    """A held-out prompt of the tiny fixture, else a generic one."""
+    heldout = model / "heldout_prompts.json"
+    if heldout.exists():
+        return json.loads(heldout.read_text())[1]["text"]
+    return "The capital of France is"
+
+
 def _query(server: ServeProcess, model: Path, max_tokens: int) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
                     timeout=120)
-    if has_chat_template(model):
-        messages = [{"role": "user",
-                     "content": "What is the capital of France?"}]
-        print(f"[demo] chat prompt: {messages[0]['content']!r}")
-        t0 = time.monotonic()
-        reply = client.chat.completions.create(
-            model=SERVED_NAME, messages=messages, max_tokens=max_tokens,
-            temperature=0)
-        print(f"[demo] answer ({time.monotonic() - t0:.1f} s, "
-              f"{reply.usage.completion_tokens} tokens): "
-              f"{reply.choices[0].message.content!r}")
-        print("[demo] streaming: ", end="", flush=True)
-        stream = client.chat.completions.create(
-            model=SERVED_NAME, messages=messages, max_tokens=max_tokens,
-            temperature=0, stream=True)
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                print(chunk.choices[0].delta.content, end="", flush=True)
-        print()
-        return
-    prompt = "The capital of France is"
+    prompt = _prompt(model)
     print(f"[demo] completion prompt: {prompt!r}")
     t0 = time.monotonic()
     reply = client.completions.create(model=SERVED_NAME, prompt=prompt,
                                       max_tokens=max_tokens, temperature=0)
-    print(f"[demo] answer ({time.monotonic() - t0:.1f} s): "
+    print(f"[demo] answer ({time.monotonic() - t0:.1f} s, "
+          f"{reply.usage.completion_tokens} tokens): "
           f"{reply.choices[0].text!r}")
-    print("[demo] streaming: ", end="", flush=True)
+    print("[demo] streamed: ", end="", flush=True)
     for chunk in client.completions.create(
             model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens,
             temperature=0, stream=True):
         print(chunk.choices[0].text, end="", flush=True)
+    print()
+    if not has_chat_template(model):
+        print("[demo] the tokenizer has no chat template: no chat request")
+        return
+    question = "what does the frog eat?"
+    messages = [{"role": "user", "content": question}]
+    print(f"[demo] chat: {question!r}")
+    t0 = time.monotonic()
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=max_tokens,
+        temperature=0)
+    print(f"[demo] answer ({time.monotonic() - t0:.1f} s): "
+          f"{chat.choices[0].message.content!r}")
+    print("[demo] streamed: ", end="", flush=True)
+    for chunk in client.chat.completions.create(
+            model=SERVED_NAME, messages=messages, max_tokens=max_tokens,
+            temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
     print()
 
 
@@ -232,7 +240,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--no-mtp", action="store_true",
                         help="serve without speculative decoding")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--timeout", type=float, default=600,
                         help="seconds to wait for the server to be healthy")
     args = parser.parse_args()
