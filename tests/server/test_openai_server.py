@@ -224,10 +224,10 @@ def test_bad_chat_request_is_400(served):
     "needs AscendPlatform.validate_request to call "
     "vllm_ascend.checks.check_sampling_params(params)")
 def test_n_too_large_is_400(served):
-    # 1000 one-token completions finish in seconds when unchecked, so this
+    # 300 one-token completions finish in seconds when unchecked, so this
     # test cannot wedge the server while the check is not wired.
-    resp = _complete(served, prompt=TEXT, n=1000, temperature=1.0,
+    resp = _complete(served, prompt=TEXT, n=300, temperature=1.0,
                      max_tokens=1)
     assert resp.status_code == 400, resp.text[:300]
-    assert "n=1000" in resp.json()["error"]["message"]
+    assert "n=300" in resp.json()["error"]["message"]
     assert _complete(served, prompt=TEXT, max_tokens=4).status_code == 200
