@@ -7,6 +7,8 @@ it runs the same platform on the CPU reference device.
 
 def register() -> str:
     """``vllm.platform_plugins`` entry point: the platform class to use."""
+    from vllm_ascend import startup_errors
+    startup_errors.install()
     return "vllm_ascend.platform.AscendPlatform"
 
 

@@ -7,7 +7,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_ascend import device
+from vllm_ascend import checks, device
 from vllm_ascend.graph_sizes import align_capture_sizes
 
 if TYPE_CHECKING:
@@ -150,3 +150,10 @@ class AscendPlatform(Platform):
 
         # Workers are spawned: forking after torch threads start is unsafe.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # A checkpoint missing tensors fails here, before any worker starts.
+        checks.check_checkpoint(vllm_config)
+
+    @classmethod
+    def validate_request(cls, prompt, params, processed_inputs) -> None:
+        super().validate_request(prompt, params, processed_inputs)
+        checks.check_sampling_params(params)

@@ -218,11 +218,6 @@ def test_bad_chat_request_is_400(served):
         "message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM has no upper bound on n (n=10**6 wedges the server); "
-    "needs AscendPlatform.validate_request to call "
-    "vllm_ascend.checks.check_sampling_params(params)")
 def test_n_too_large_is_400(served):
     # 300 one-token completions finish in seconds when unchecked, so this
     # test cannot wedge the server while the check is not wired.

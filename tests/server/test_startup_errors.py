@@ -139,23 +139,12 @@ def test_zero_speculative_tokens(outcomes):
         "Expected num_speculative_tokens to be greater than zero (0).")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM loads a checkpoint missing one expert's tensor without an "
-    "error (the fused expert parameter counts as loaded); needs "
-    "AscendPlatform.check_and_update_config to call "
-    "vllm_ascend.checks.check_checkpoint(vllm_config)")
 def test_missing_expert_tensor(outcomes):
     _assert_fails_with(outcomes["missing_tensor"],
                        f"is missing 1 tensor(s) that its config.json "
                        f"requires: {MISSING}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs vllm_ascend.register() to call "
-    "vllm_ascend.startup_errors.install() (the vllm CLI then prints "
-    "configuration errors without a traceback)")
 @pytest.mark.parametrize("case", ["unknown_device", "mtp_without_mtp_layers",
                                   "zero_speculative_tokens"])
 def test_config_error_has_no_traceback(outcomes, case):
