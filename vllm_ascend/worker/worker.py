@@ -65,15 +65,24 @@ class AscendWorker(Worker):
                     available / GiB_bytes, peak / GiB_bytes)
         return available
 
-    @staticmethod
-    def _cpu_kv_cache_bytes() -> int:
+    def _cpu_kv_cache_bytes(self) -> int:
         space = envs.VLLM_CPU_KVCACHE_SPACE
-        if space is None:
-            space = DEFAULT_CPU_KV_CACHE_GIB
-            logger.info_once(
-                "VLLM_CPU_KVCACHE_SPACE is unset: %d GiB of KV cache on the "
-                "CPU reference device.", space)
-        return int(space * GiB_bytes)
+        if space is not None:
+            return int(space * GiB_bytes)
+        # Unset: vLLM's CPU default, but never more than max_num_seqs
+        # full-length sequences can use (draft layers included).
+        specs = self.model_runner.get_kv_cache_spec().values()
+        block_size = self.cache_config.block_size
+        blocks_per_seq = -(-self.model_config.max_model_len // block_size)
+        needed = (self.scheduler_config.max_num_seqs * blocks_per_seq *
+                  sum(spec.page_size_bytes for spec in specs))
+        space_bytes = min(DEFAULT_CPU_KV_CACHE_GIB * GiB_bytes, needed)
+        logger.info_once(
+            "VLLM_CPU_KVCACHE_SPACE is unset: %.3f GiB of KV cache on the CPU "
+            "reference device (enough for max_num_seqs full-length "
+            "sequences, at most %d GiB).", space_bytes / GiB_bytes,
+            DEFAULT_CPU_KV_CACHE_GIB)
+        return int(space_bytes)
 
     def compile_or_warm_up_model(self) -> None:
         if device.current().is_npu:
