@@ -4,6 +4,25 @@ On a host where torch_npu sees an NPU the plugin runs on ``npu``; elsewhere
 it runs the same platform on the CPU reference device.
 """
 
+import logging
+
+import vllm.logger  # noqa: F401  (configures the "vllm" logger on import)
+
+
+def _share_vllm_logging() -> None:
+    """Log through vLLM's handlers and level (VLLM_LOGGING_LEVEL,
+    VLLM_CONFIGURE_LOGGING): vLLM's logging config only covers the ``vllm``
+    logger tree, and ours is ``vllm_ascend``."""
+    ours, theirs = logging.getLogger(__name__), logging.getLogger("vllm")
+    if not ours.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+        ours.propagate = theirs.propagate
+
+
+_share_vllm_logging()
+
 
 def register() -> str:
     """``vllm.platform_plugins`` entry point: the platform class to use."""
