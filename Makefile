@@ -55,3 +55,4 @@ clean:
 demo: $(STAMP) apply
 	$(PY) tools/demo_spec_config.py
 	$(PY) tools/demo_serve.py
+	$(PY) tools/benchmark_mtp.py
