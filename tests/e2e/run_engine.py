@@ -31,11 +31,14 @@ def inspect_runner(worker) -> dict:
     if drafter is not None:
         target, draft = runner.model, drafter.model
         vocab = runner.model_config.get_vocab_size()
+        target_ptrs = {p.data_ptr() for p in target.parameters()}
         info.update(
             draft_attn_layers=list(drafter.attn_layer_names),
-            draft_vocab_params=[
+            # Vocab-sized tensors the draft allocated itself (the target's
+            # modules it points at are not its own).
+            draft_own_vocab_params=[
                 name for name, p in draft.named_parameters()
-                if vocab in p.shape
+                if vocab in p.shape and p.data_ptr() not in target_ptrs
             ],
             draft_embed_ptr=draft.model.embed_tokens.weight.data_ptr(),
             target_embed_ptr=target.model.embed_tokens.weight.data_ptr(),

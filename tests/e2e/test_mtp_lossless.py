@@ -98,7 +98,7 @@ def test_draft_shares_embedding_and_lm_head(k1_run):
     info = k1_run["inspect"]
     # No vocab-sized tensor of its own: the checkpoint's MTP copies equal
     # the target's, so the draft points at the target's storage.
-    assert info["draft_vocab_params"] == []
+    assert info["draft_own_vocab_params"] == []
     assert info["draft_embed_ptr"] == info["target_embed_ptr"]
     assert info["draft_lm_head_ptr"] == info["target_lm_head_ptr"]
     assert info["drafter_class"] == "AscendMtpProposer"
