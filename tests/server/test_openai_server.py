@@ -16,7 +16,7 @@ import pytest
 from demo_serve import (KV_CACHE_BYTES, SERVED_NAME, ServeProcess, free_port,
                         serve_args, spec_decode_metrics)
 
-from tests.e2e.engine import run_engine
+from tests.e2e.engine import hf_greedy, run_engine
 
 MAX_MODEL_LEN = 256
 MAX_NEW = 24
@@ -123,11 +123,13 @@ def _server_greedy(served: Served, prompts: list[list[int]]) -> list:
     return [c["token_ids"] for c in choices]
 
 
-def test_greedy_matches_offline_llm(served):
-    """MTP on through the server, off offline: the same greedy tokens."""
+def test_greedy_matches_offline_llm_and_transformers(served, model_dir):
+    """MTP on through the server, off offline, and transformers' own
+    Glm4MoeForCausalLM: the same greedy tokens."""
     expected = served.offline.result(timeout=STARTUP_TIMEOUT)["outputs"]
     assert len(expected) == len(served.prompts)
     assert all(len(out) == MAX_NEW for out in expected)
+    assert hf_greedy(model_dir, served.prompts, MAX_NEW) == expected
     assert _server_greedy(served, served.prompts) == expected
 
 
