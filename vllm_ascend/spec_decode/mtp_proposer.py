@@ -46,6 +46,24 @@ class AscendMtpProposer(EagleProposer):
             len(self.attn_layer_names), self.attn_layer_names,
             ", ".join(name for name, n in shared.items() if n) or "nothing")
 
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> None:
+        """Run the draft as a rank without requests must under DP.
+
+        ``propose`` runs the MTP layer ``k`` times (once over the scheduled
+        tokens, then once per further draft token), and each run makes
+        collectives across the DP ranks (the token counts, the MoE
+        dispatch and combine). A rank that only has a dummy batch must make
+        as many, or the ranks pair up different calls and hang or mix
+        tokens; vLLM's dummy run makes one.
+        """
+        super().dummy_run(num_tokens)
+        if self.vllm_config.parallel_config.data_parallel_size == 1:
+            return
+        for _ in range(self.num_speculative_tokens - 1):
+            super().dummy_run(
+                min(num_tokens, self.vllm_config.scheduler_config.max_num_seqs))
+
 
 def make_proposer(vllm_config: VllmConfig, device: torch.device,
                   runner) -> EagleProposer:

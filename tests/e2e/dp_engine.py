@@ -1,0 +1,93 @@
+"""Data-parallel engines for end-to-end tests: one process per DP rank.
+
+vLLM 0.11 has no offline ``LLM(data_parallel_size=N)``; its offline DP
+pattern is one ``LLM`` per rank, each told its rank by ``VLLM_DP_*``
+environment variables, which is what this helper starts (each rank runs
+``run_engine.py`` with the in-process engine core). Every rank gets its own
+prompts; a rank with none still steps (dummy batches) while the others
+decode. All processes are killed when one fails or the time is up, so a
+hung collective fails the test instead of hanging it.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.e2e.engine import RUNNER
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
+                  sampling, env: dict | None = None,
+                  timeout: float = 300) -> list[dict]:
+    """Generate with ``len(prompts_per_rank)`` DP ranks; return each rank's
+    ``{"outputs": ..., "metrics": ...}`` in rank order."""
+    dp_size = len(prompts_per_rank)
+    base_env = dict(os.environ, VLLM_ASCEND_DEVICE="cpu",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+                    VLLM_DP_SIZE=str(dp_size),
+                    VLLM_DP_MASTER_IP="127.0.0.1",
+                    VLLM_DP_MASTER_PORT=str(_free_port()), **(env or {}))
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        for rank, prompts in enumerate(prompts_per_rank):
+            spec = tempfile.NamedTemporaryFile("w", suffix=".json",
+                                               delete=False)
+            json.dump({"engine": engine, "prompts": prompts,
+                       "sampling": sampling}, spec)
+            spec.close()
+            out = tempfile.TemporaryFile("w+")
+            err = tempfile.TemporaryFile("w+")
+            files.append((spec.name, out, err))
+            rank_env = dict(base_env, VLLM_DP_RANK=str(rank),
+                            VLLM_DP_RANK_LOCAL=str(rank))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(RUNNER), spec.name], stdout=out,
+                stderr=err, env=rank_env, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs)
+                      if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                _kill(procs)
+                break
+            time.sleep(0.5)
+        results = []
+        for rank, (proc, (_, out, err)) in enumerate(zip(procs, files)):
+            out.seek(0)
+            err.seek(0)
+            if proc.returncode != 0:
+                raise AssertionError(
+                    f"DP rank {rank} of {dp_size} failed or hung (exit "
+                    f"{proc.returncode}, timeout {timeout}s):\n"
+                    f"{err.read()[-6000:]}")
+            results.append(json.loads(out.read().strip().splitlines()[-1]))
+        return results
+    finally:
+        _kill(procs)
+        for name, out, err in files:
+            os.unlink(name)
+            out.close()
+            err.close()
