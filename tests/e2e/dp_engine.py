@@ -39,10 +39,16 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
-                  sampling, env: dict | None = None,
+                  sampling_per_rank: list, env: dict | None = None,
                   timeout: float = 300) -> list[dict]:
     """Generate with ``len(prompts_per_rank)`` DP ranks; return each rank's
-    ``{"outputs": ..., "metrics": ...}`` in rank order."""
+    ``{"outputs": ..., "metrics": ...}`` in rank order. A rank's sampling
+    is what ``run_engine.py`` takes: one dict, or one per prompt."""
+    if len(sampling_per_rank) != len(prompts_per_rank):
+        raise ValueError(
+            f"{len(prompts_per_rank)} ranks of prompts but "
+            f"{len(sampling_per_rank)} of sampling parameters; give one "
+            "sampling entry per rank.")
     dp_size = len(prompts_per_rank)
     base_env = dict(os.environ, VLLM_ASCEND_DEVICE="cpu",
                     VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
@@ -52,7 +58,8 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
     procs: list[subprocess.Popen] = []
     files = []
     try:
-        for rank, prompts in enumerate(prompts_per_rank):
+        for rank, (prompts, sampling) in enumerate(
+                zip(prompts_per_rank, sampling_per_rank)):
             spec = tempfile.NamedTemporaryFile("w", suffix=".json",
                                                delete=False)
             json.dump({"engine": engine, "prompts": prompts,
@@ -67,23 +74,31 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
                 [sys.executable, str(RUNNER), spec.name], stdout=out,
                 stderr=err, env=rank_env, start_new_session=True))
         deadline = time.monotonic() + timeout
+        timed_out = False
         while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs)
-                      if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                _kill(procs)
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
                 break
             time.sleep(0.5)
+        _kill(procs)
+        errors = []
         results = []
         for rank, (proc, (_, out, err)) in enumerate(zip(procs, files)):
             out.seek(0)
             err.seek(0)
             if proc.returncode != 0:
-                raise AssertionError(
-                    f"DP rank {rank} of {dp_size} failed or hung (exit "
-                    f"{proc.returncode}, timeout {timeout}s):\n"
-                    f"{err.read()[-6000:]}")
-            results.append(json.loads(out.read().strip().splitlines()[-1]))
+                errors.append(f"--- DP rank {rank} (exit {proc.returncode})"
+                              f":\n{err.read()[-4000:]}")
+            else:
+                results.append(
+                    json.loads(out.read().strip().splitlines()[-1]))
+        if errors:
+            what = (f"hung: not done after {timeout}s" if timed_out else
+                    "failed")
+            raise AssertionError(f"DP={dp_size} engine {what}\n" +
+                                 "\n".join(errors))
         return results
     finally:
         _kill(procs)

@@ -6,11 +6,13 @@ only swaps what needs a device: streams and events, synchronization, the
 rejection sampler (vLLM's is triton-only) and the MTP proposer.
 """
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
+from vllm.sequence import IntermediateTensors
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -18,6 +20,9 @@ from vllm_ascend import device
 from vllm_ascend.sample import AscendRejectionSampler
 from vllm_ascend.spec_decode.mtp_proposer import make_proposer
 from vllm_ascend.worker.streams import device_streams
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -32,6 +37,30 @@ class AscendModelRunner(GPUModelRunner):
             self.rejection_sampler = AscendRejectionSampler()
         if isinstance(getattr(self, "drafter", None), EagleProposer):
             self.drafter = make_proposer(vllm_config, torch_device, self)
+        self._drafted = False
+        self._drafts_under_dp = (
+            isinstance(getattr(self, "drafter", None), EagleProposer)
+            and self.parallel_config.data_parallel_size > 1)
+
+    def execute_model(
+        self,
+        scheduler_output: "SchedulerOutput",
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+    ) -> Union[ModelRunnerOutput, AsyncModelRunnerOutput,
+               IntermediateTensors]:
+        self._drafted = False
+        output = super().execute_model(scheduler_output, intermediate_tensors)
+        if (self._drafts_under_dp and not self._drafted
+                and scheduler_output.total_num_scheduled_tokens > 0):
+            # vLLM skips the draft in a step where a request would pass
+            # max_model_len; the other DP ranks may be drafting, and their
+            # draft's collectives must be matched.
+            self.drafter.dummy_run(1)
+        return output
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        self._drafted = True
+        return super().propose_draft_token_ids(*args, **kwargs)
 
     def get_dp_padding(self,
                        num_tokens: int) -> tuple[int, Optional[torch.Tensor]]:

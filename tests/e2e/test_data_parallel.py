@@ -1,0 +1,73 @@
+"""Data parallelism (DP=2) with GLM-4.5 MTP: same greedy text as DP=1.
+
+Two DP ranks on the CPU reference device (gloo), the trained fixture, with
+and without expert parallelism. The MoE layers of both ranks run together
+(dispatch and combine across ranks), so every step is collective: a rank
+whose requests are done runs dummy batches (target and k draft steps), and
+a rank whose request reaches max_model_len skips its draft while the other
+drafts. Each case once hung or decoded another request's tokens.
+"""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.dp_engine import run_dp_engine
+from tests.e2e.engine import run_engine
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
+MAX_MODEL_LEN = 64
+ENGINE = dict(model=str(FIXTURE), skip_tokenizer_init=True, dtype="float32",
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=4, seed=0,
+              kv_cache_memory_bytes=64 << 20)
+
+_rng = random.Random(7)
+PROMPTS = [[_rng.randrange(1, 600) for _ in range(n)]
+           for n in (5, 17, 9, 30, 50, 4)]
+# Different lengths: one rank runs out of requests first and idles.
+MAX_TOKENS = [24, 6, 10, 20, 20, 40]
+
+
+def _sampling(indices: list[int]) -> list[dict]:
+    return [dict(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+            for i in indices]
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[list[int]]:
+    """DP=1, no MTP."""
+    return run_engine(ENGINE, PROMPTS, _sampling(list(range(len(PROMPTS)))),
+                      env={"OMP_NUM_THREADS": "1"})["outputs"]
+
+
+def _run(per_rank: list[list[int]], k: int, expert_parallel: bool):
+    engine = dict(ENGINE, enable_expert_parallel=expert_parallel,
+                  speculative_config=dict(method="glm4_moe_mtp",
+                                          num_speculative_tokens=k))
+    return run_dp_engine(
+        engine, [[PROMPTS[i] for i in indices] for indices in per_rank],
+        [_sampling(indices) for indices in per_rank], timeout=150)
+
+
+def _check(outs, per_rank, baseline, k):
+    for rank, (indices, out) in enumerate(zip(per_rank, outs)):
+        assert out["outputs"] == [baseline[i] for i in indices], rank
+        drafts = out["metrics"].get("vllm:spec_decode_num_drafts", 0)
+        if indices:
+            # Drafts were proposed and verified on every busy rank.
+            assert drafts > 0, (rank, out["metrics"])
+            assert out["metrics"]["vllm:spec_decode_num_draft_tokens"] <= (
+                k * drafts)
+        else:
+            assert drafts == 0, (rank, out["metrics"])
+
+
+@pytest.mark.parametrize("k,expert_parallel,per_rank", [
+    (2, True, [[0, 1], [2, 3]]),
+    (1, True, [[5], []]),
+    (2, False, [[4], [0]]),
+], ids=["k2-ep-uneven", "k1-ep-idle-rank", "k2-tp-max-model-len"])
+def test_dp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel, per_rank):
+    outs = _run(per_rank, k, expert_parallel)
+    _check(outs, per_rank, baseline, k)
