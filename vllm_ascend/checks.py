@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_ascend import envs
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -160,15 +162,23 @@ def check_checkpoint(vllm_config: "VllmConfig") -> None:
     traceback, or not at all (missing experts).
     """
     model_config = vllm_config.model_config
-    if model_config is None:
+    if model_config is None or envs.skip_checkpoint_check():
         return
     hf_config = model_config.hf_config
     model_dir = Path(model_config.model)
     if _get(hf_config, "model_type") not in GLM45_MODEL_TYPES:
         return
-    if not model_dir.is_dir() or model_config.quantization is not None:
-        # Hub names are resolved by the loader; quantized layouts rename
-        # tensors (scales, packed weights) and are checked by their loader.
+    load_format = str(getattr(vllm_config.load_config, "load_format",
+                              "auto"))
+    has_weights = model_dir.is_dir() and (
+        any(model_dir.glob("*.safetensors"))
+        or (model_dir / "model.safetensors.index.json").exists())
+    if (not has_weights or model_config.quantization is not None
+            or load_format not in ("auto", "safetensors")):
+        # Hub names are resolved by the loader; a directory without
+        # safetensors (config only, other formats, dummy weights) is the
+        # loader's to judge; quantized layouts rename tensors (scales,
+        # packed weights) and are checked by their loader.
         logger.debug("Skipping the GLM-4.5 checkpoint check for %s.",
                      model_config.model)
         return

@@ -166,3 +166,29 @@ def test_cli_config_error_is_one_line(argv0):
     else:
         # Scripts that import vLLM keep their tracebacks.
         assert "Traceback" in proc.stderr
+
+
+def _vllm_config(path: Path, load_format: str = "auto"):
+    from types import SimpleNamespace
+    model = SimpleNamespace(hf_config=_config(path), model=str(path),
+                            quantization=None)
+    return SimpleNamespace(model_config=model, speculative_config=None,
+                           load_config=SimpleNamespace(
+                               load_format=load_format))
+
+
+def test_startup_check_applies_to_local_safetensors_only(
+        model_dir, tmp_path, monkeypatch):
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    path = _copy_without(model_dir, tmp_path / "ckpt", gone)
+    with pytest.raises(ValueError, match=gone):
+        checks.check_checkpoint(_vllm_config(path))
+    # Dummy weights, or a directory with only config.json: the loader's.
+    checks.check_checkpoint(_vllm_config(path, load_format="dummy"))
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(path / "config.json", config_only)
+    checks.check_checkpoint(_vllm_config(config_only))
+    # vLLM's own tests build partial checkpoints on purpose.
+    monkeypatch.setenv("VLLM_ASCEND_SKIP_CHECKPOINT_CHECK", "1")
+    checks.check_checkpoint(_vllm_config(path))
