@@ -86,7 +86,8 @@ def test_reference_matches_dense_attention(shapes):
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens,
         seq_lens_cpu=seq_lens, block_tables=block_tables,
         slot_mapping=slot_mapping,
-        attn_state=classify_batch(q_lens, seq_lens, int(q_lens.max())))
+        attn_state=classify_batch(q_lens, seq_lens, int(q_lens.max())),
+        seq_lens_list=seq_lens.tolist())
     output = torch.empty_like(query)
     scale = DIM**-0.5
     ops.attention(query, key_cache, value_cache, meta, scale, output)
@@ -120,13 +121,14 @@ def test_npu_matches_reference():  # pragma: no cover - NPU only
     seq_lens = torch.tensor([150, 40], dtype=torch.int32)
     meta = AscendAttentionMetadata(3, 2, 2, 150, qsl, qsl, seq_lens, seq_lens,
                                    bt, torch.zeros(3, dtype=torch.int64),
-                                   AscendAttentionState.CHUNKED_PREFILL)
+                                   AscendAttentionState.CHUNKED_PREFILL,
+                                   seq_lens.tolist())
     want = torch.empty_like(query)
     ref.attention(query, key_cache, value_cache, meta, DIM**-0.5, want)
     got = torch.empty_like(query).npu()
     npu_meta = AscendAttentionMetadata(
         3, 2, 2, 150, qsl.npu(), qsl, seq_lens.npu(), seq_lens, bt.npu(),
-        meta.slot_mapping.npu(), meta.attn_state)
+        meta.slot_mapping.npu(), meta.attn_state, meta.seq_lens_list)
     npu.attention(query.npu(), key_cache.npu(), value_cache.npu(), npu_meta,
                   DIM**-0.5, got)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-2)

@@ -78,6 +78,10 @@ class AscendAttentionMetadata(AttentionMetadata):
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     attn_state: AscendAttentionState
+    # Context length of each request as the kernels take it. Read from the
+    # device seq_lens: in draft steps 2..k of a padded drafter batch only
+    # the device copy is exact (seq_lens_cpu is an upper bound).
+    seq_lens_list: list[int]
 
 
 def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
@@ -129,6 +133,7 @@ class AscendAttentionMetadataBuilder(
             block_tables=m.block_table_tensor[:num_reqs],
             slot_mapping=m.slot_mapping[:m.num_actual_tokens],
             attn_state=state,
+            seq_lens_list=m.seq_lens[:num_reqs].tolist(),
         )
 
 

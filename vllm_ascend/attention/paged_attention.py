@@ -54,9 +54,7 @@ class ReferencePagedAttention:
         group = query.shape[1] // num_kv_heads
         starts = metadata.query_start_loc_cpu.tolist()
         block_tables = metadata.block_tables
-        # The device copy of seq_lens: draft steps past max_model_len clamp
-        # it (to 1) there, and their outputs are discarded.
-        for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+        for i, seq_len in enumerate(metadata.seq_lens_list):
             q_start, q_end = starts[i], starts[i + 1]
             q_len = q_end - q_start
             if q_len == 0:
@@ -113,7 +111,7 @@ class NpuPagedAttention:
             input_layout="TND",
             block_size=block_size,
             actual_seq_lengths=metadata.query_start_loc_cpu[1:].tolist(),
-            actual_seq_lengths_kv=metadata.seq_lens_cpu.tolist(),
+            actual_seq_lengths_kv=metadata.seq_lens_list,
             num_key_value_heads=num_kv_heads,
             num_heads=query.shape[1],
             scale=scale,
