@@ -33,8 +33,11 @@ class AscendPlatform(Platform):
     dispatch_key: str = "PrivateUse1" if _choice.is_npu else "CPU"
     ray_device_key: str = "NPU" if _choice.is_npu else ""
     dist_backend: str = _choice.dist_backend
+    # vLLM sets it per engine (data parallel ranks); the CPU reference
+    # device has nothing to hide but needs a real variable name.
     device_control_env_var: str = ("ASCEND_RT_VISIBLE_DEVICES"
-                                   if _choice.is_npu else "")
+                                   if _choice.is_npu else
+                                   "VLLM_ASCEND_CPU_VISIBLE_DEVICES")
     simple_compile_backend: str = "eager"
 
     @property
