@@ -51,12 +51,14 @@ class AscendWorker(Worker):
     def determine_available_memory(self) -> int:
         # The profile run exercises the largest batch (and the drafter) on
         # both devices, so a shape problem shows up here, before serving.
+        on_npu = device.current().is_npu
+        if on_npu:
+            torch.npu.reset_peak_memory_stats()
         self.model_runner.profile_run()
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
-        if not device.current().is_npu:
+        if not on_npu:
             return self._cpu_kv_cache_bytes()
-        free, _ = torch.npu.mem_get_info()
         peak = torch.npu.max_memory_allocated()
         requested = self.total_memory * self.cache_config.gpu_memory_utilization
         used_by_others = self.total_memory - self.init_free_memory
