@@ -185,6 +185,14 @@ def test_run_numbers_are_consistent(run):
         1 + acc["num_accepted_tokens"] / acc["num_drafts"])
     assert sum(acc["num_accepted_tokens_per_pos"]) == \
         acc["num_accepted_tokens"]
+    # Forward timers: the draft runs once per verified draft (k = 1), the
+    # target at least once per step; no draft without MTP.
+    fwd = mtp["batches"][0]["forward_time"]
+    assert fwd["draft_calls"] >= acc["num_drafts"] > 0
+    assert fwd["target_calls"] >= acc["num_drafts"]
+    assert fwd["draft_over_target"] == pytest.approx(
+        fwd["draft_ms_per_forward"] / fwd["target_ms_per_forward"])
+    assert "draft_calls" not in no_mtp["batches"][0]["forward_time"]
 
 
 def test_run_outputs_identical_and_ratio(run):

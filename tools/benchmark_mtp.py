@@ -188,9 +188,15 @@ def _log_progress(name: str, event: dict[str, Any]) -> None:
     elif event["event"] == "batch_done":
         acc = event.get("acceptance") or {}
         rate = acc.get("acceptance_rate")
-        logger.info("%s: batch %d: %.1f decode tokens/s%s", name,
+        fwd = event.get("forward_time") or {}
+        cost = ("" if fwd.get("target_ms_per_forward") is None else
+                f", target forward {fwd['target_ms_per_forward']:.2f} ms")
+        if fwd.get("draft_over_target") is not None:
+            cost += (f", draft forward {fwd['draft_ms_per_forward']:.2f} ms "
+                     f"({fwd['draft_over_target']:.0%} of a target forward)")
+        logger.info("%s: batch %d: %.1f decode tokens/s%s%s", name,
                     event["batch_size"], event["decode_tokens_per_s"],
-                    "" if rate is None else f", acceptance {rate:.1%}")
+                    "" if rate is None else f", acceptance {rate:.1%}", cost)
 
 
 def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:

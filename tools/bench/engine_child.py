@@ -78,6 +78,51 @@ def _weights_bytes(worker) -> dict[str, int]:
             "drafter": size(draft_model) if draft_model is not None else 0}
 
 
+def _install_forward_timers(worker) -> bool:
+    """Time every forward of the target model and of the draft model (hooks
+    in the worker; the engine core runs in this process)."""
+    runner = worker.model_runner
+    stats: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, module) -> None:
+        rec = stats.setdefault(name, {"calls": 0, "seconds": 0.0})
+        started: list[float] = []
+        module.register_forward_pre_hook(
+            lambda *_: started.append(time.perf_counter()))
+
+        def done(*_) -> None:
+            rec["calls"] += 1
+            rec["seconds"] += time.perf_counter() - started.pop()
+
+        module.register_forward_hook(done)
+
+    timed("target", runner.model)
+    drafter = getattr(runner, "drafter", None)
+    if getattr(drafter, "model", None) is not None:
+        timed("draft", drafter.model)
+    worker.bench_forward_stats = stats
+    return True
+
+
+def _forward_stats(worker) -> dict[str, dict[str, float]]:
+    return {k: dict(v) for k, v in worker.bench_forward_stats.items()}
+
+
+def forward_time(before: dict, after: dict) -> dict[str, Any]:
+    """Mean milliseconds per forward of the target and of the draft, and
+    the draft's cost relative to the target's (what MTP adds per step)."""
+    out: dict[str, Any] = {}
+    for name in after:
+        calls = after[name]["calls"] - before[name]["calls"]
+        seconds = after[name]["seconds"] - before[name]["seconds"]
+        out[f"{name}_calls"] = calls
+        out[f"{name}_ms_per_forward"] = 1000 * seconds / calls if calls else None
+    if out.get("draft_ms_per_forward") and out.get("target_ms_per_forward"):
+        out["draft_over_target"] = (out["draft_ms_per_forward"] /
+                                    out["target_ms_per_forward"])
+    return out
+
+
 def peak_rss_bytes() -> int:
     # Linux reports ru_maxrss in KiB.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -112,6 +157,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     n = spec["new_tokens"]
     timed_generate(llm, prompts, spec["warmup_tokens"])
     start = snapshot(llm)
+    forwards_before = llm.collective_rpc(_forward_stats)[0]
     runs = []
     decode_hist = {"sum": 0.0, "count": 0}
     outputs = None
@@ -140,6 +186,8 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     end = snapshot(llm)
     result: dict[str, Any] = {
         "batch_size": batch,
+        "forward_time": forward_time(forwards_before,
+                                     llm.collective_rpc(_forward_stats)[0]),
         "runs": runs,
         "decode_tokens_per_s": median(
             [r["decode_tokens_per_s"] for r in runs]),
@@ -181,6 +229,7 @@ def main(spec_path: str) -> None:
     llm = LLM(**engine, disable_log_stats=False)
     init_s = time.perf_counter() - start
     weights = llm.collective_rpc(_weights_bytes)[0]
+    llm.collective_rpc(_install_forward_timers)
     rss_after_load = peak_rss_bytes()
     emit("PROGRESS", {"event": "engine_ready", "init_s": init_s})
     batches = []
@@ -190,7 +239,8 @@ def main(spec_path: str) -> None:
         emit("PROGRESS", {"event": "batch_done", "batch_size": batch,
                           "decode_tokens_per_s":
                           result["decode_tokens_per_s"],
-                          "acceptance": result.get("acceptance")})
+                          "acceptance": result.get("acceptance"),
+                          "forward_time": result["forward_time"]})
     emit("RESULT", {
         "num_speculative_tokens": k,
         "init_s": init_s,
