@@ -20,12 +20,12 @@ def inspect_runner(worker) -> dict:
     info = {
         "kv_cache_groups": groups,
         "num_block_tables": len(runner.input_batch.block_table.block_tables),
-    }
-    info["kv_cache_num_blocks"] = {
-        name: int(layer.kv_cache[0].shape[1])
-        for name, layer in
-        runner.compilation_config.static_forward_context.items()
-        if hasattr(layer, "kv_cache")
+        "kv_cache_num_blocks": {
+            name: int(layer.kv_cache[0].shape[1])
+            for name, layer in
+            runner.compilation_config.static_forward_context.items()
+            if hasattr(layer, "kv_cache")
+        },
     }
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:

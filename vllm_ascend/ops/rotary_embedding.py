@@ -58,6 +58,19 @@ def _check(positions: torch.Tensor, query: torch.Tensor,
             "position per token.")
 
 
+def _rotate_query_key(apply, positions: torch.Tensor, query: torch.Tensor,
+                      key: Optional[torch.Tensor],
+                      cos_sin_cache: torch.Tensor, head_size: int,
+                      is_neox_style: bool
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Check the shapes once, then rotate query and (if any) key."""
+    _check(positions, query, cos_sin_cache, head_size)
+    q = apply(positions, query, cos_sin_cache, head_size, is_neox_style)
+    k = None if key is None else apply(positions, key, cos_sin_cache,
+                                       head_size, is_neox_style)
+    return q, k
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -72,11 +85,8 @@ def rotary_embedding_ref(
     ``position * inv_freq``; the rotation runs in float32. Returns new
     tensors with the shapes and dtypes of ``query`` and ``key``.
     """
-    _check(positions, query, cos_sin_cache, head_size)
-    q = _apply_ref(positions, query, cos_sin_cache, head_size, is_neox_style)
-    k = None if key is None else _apply_ref(positions, key, cos_sin_cache,
-                                            head_size, is_neox_style)
-    return q, k
+    return _rotate_query_key(_apply_ref, positions, query, key,
+                             cos_sin_cache, head_size, is_neox_style)
 
 
 def _apply_npu(positions: torch.Tensor, x: torch.Tensor,
@@ -111,11 +121,8 @@ def _rotary_embedding_npu(
     head_size: int,
     is_neox_style: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    _check(positions, query, cos_sin_cache, head_size)
-    q = _apply_npu(positions, query, cos_sin_cache, head_size, is_neox_style)
-    k = None if key is None else _apply_npu(positions, key, cos_sin_cache,
-                                            head_size, is_neox_style)
-    return q, k
+    return _rotate_query_key(_apply_npu, positions, query, key,
+                             cos_sin_cache, head_size, is_neox_style)
 
 
 rotary_embedding = (_rotary_embedding_npu
