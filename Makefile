@@ -16,7 +16,7 @@ vllm/.git: patches/vllm/series tools/vllm_tree.py tools/fetch_vllm_sdist.py
 
 # Installs torch 2.8.0, the patched vLLM python-only and editable, the plugin
 # editable and the dev tools. Re-runs only when a requirements file changes.
-$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py pyproject.toml
+$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py pyproject.toml tools/install_npu_double.py
 	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt $(PIP_PINS)
 	SETUPTOOLS_SCM_PRETEND_VERSION=0.11.0 VLLM_TARGET_DEVICE=empty \
 	  $(PY) -m pip install --no-build-isolation -e ./vllm $(PIP_PINS)
@@ -26,6 +26,9 @@ $(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.t
 	# namespace package that ./vllm would be when the repo root is on
 	# sys.path (python -m, tools that import tests.*).
 	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'vllm-tree.pth').write_text(str(pathlib.Path('vllm').resolve()) + '\n')"
+	# VLLM_ASCEND_NPU_DOUBLE=1: `import torch_npu` finds the test-only
+	# contract double (tests/npu_double) in every process.
+	$(PY) tools/install_npu_double.py
 	$(PY) -m pip install --no-build-isolation -e . $(PIP_PINS)
 	@touch $@
 

@@ -20,9 +20,16 @@ DEVICES = ("auto", "npu", "cpu")
 
 @dataclass(frozen=True)
 class DeviceChoice:
-    device_type: str  # "npu" or "cpu"
+    device_type: str  # the code paths: "npu" (torch_npu) or "cpu"
     dist_backend: str  # "hccl" or "gloo"
     reason: str
+    # Where tensors live: "npu", or "cpu" on the reference device and under
+    # the torch_npu contract double (the NPU code paths on CPU tensors).
+    torch_device_type: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.torch_device_type:
+            object.__setattr__(self, "torch_device_type", self.device_type)
 
     @property
     def is_npu(self) -> bool:
@@ -37,7 +44,7 @@ def _npu_device_count() -> int:
     """Import torch_npu; raise with a clear message if it is broken."""
     try:
         import torch
-        import torch_npu  # noqa: F401
+        import torch_npu
     except Exception as exc:
         raise RuntimeError(
             f"torch_npu is installed but failed to import ({exc!r}). Fix the "
@@ -45,6 +52,12 @@ def _npu_device_count() -> int:
             "install the torch_npu matching torch), or set "
             f"{envs.VLLM_ASCEND_DEVICE_ENV}=cpu to run on the CPU reference "
             "device.") from exc
+    if envs.npu_double() and not getattr(torch_npu, "CONTRACT_DOUBLE", False):
+        raise RuntimeError(
+            f"{envs.VLLM_ASCEND_NPU_DOUBLE_ENV}=1 but the torch_npu imported "
+            f"from {torch_npu.__file__} is not the contract double: run "
+            "`make install` (it puts tests/npu_double on the path), or unset "
+            f"{envs.VLLM_ASCEND_NPU_DOUBLE_ENV}.")
     return torch.npu.device_count()
 
 
@@ -63,6 +76,12 @@ def choose(requested: str, torch_npu_installed: bool) -> DeviceChoice:
                 f"or unset {envs.VLLM_ASCEND_DEVICE_ENV}.")
         return DeviceChoice(*CPU, reason="torch_npu is not installed")
     count = _npu_device_count()
+    if count > 0 and envs.npu_double():
+        return DeviceChoice(
+            *NPU, torch_device_type="cpu",
+            reason=f"the torch_npu contract double "
+            f"({envs.VLLM_ASCEND_NPU_DOUBLE_ENV}=1): NPU code paths on CPU "
+            "tensors")
     if count > 0:
         return DeviceChoice(*NPU, reason=f"torch_npu sees {count} NPU(s)")
     if requested == "npu":
@@ -70,6 +89,16 @@ def choose(requested: str, torch_npu_installed: bool) -> DeviceChoice:
             f"{envs.VLLM_ASCEND_DEVICE_ENV}=npu but torch_npu sees no NPU: "
             "check the driver (npu-smi info) and ASCEND_RT_VISIBLE_DEVICES.")
     return DeviceChoice(*CPU, reason="torch_npu sees no NPU")
+
+
+def tensor_device(local_rank: int):
+    """The torch device of this rank's tensors. The one place where the
+    NPU code paths under the contract double differ from a real NPU."""
+    import torch
+    choice = current()
+    if choice.torch_device_type == "npu":
+        return torch.device("npu", local_rank)
+    return torch.device("cpu")
 
 
 @functools.cache

@@ -19,3 +19,14 @@ VLLM_ASCEND_SKIP_CHECKPOINT_CHECK_ENV = "VLLM_ASCEND_SKIP_CHECKPOINT_CHECK"
 
 def skip_checkpoint_check() -> bool:
     return os.environ.get(VLLM_ASCEND_SKIP_CHECKPOINT_CHECK_ENV, "0") == "1"
+
+
+# "1": ``import torch_npu`` finds the test-only contract double of
+# tests/npu_double (the dev install puts it on sys.path) and, with
+# VLLM_ASCEND_DEVICE=npu, the plugin takes its NPU code paths with CPU
+# tensors underneath. For CI on machines without an NPU.
+VLLM_ASCEND_NPU_DOUBLE_ENV = "VLLM_ASCEND_NPU_DOUBLE"
+
+
+def npu_double() -> bool:
+    return os.environ.get(VLLM_ASCEND_NPU_DOUBLE_ENV, "0") == "1"

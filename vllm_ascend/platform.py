@@ -8,7 +8,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_ascend import checks, device
-from vllm_ascend.graph_sizes import align_capture_sizes
+from vllm_ascend.compilation.graph_mode import configure_graph_mode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,13 +24,22 @@ _choice = device.current()
 # NPU kernels are tuned for 128-token blocks; the CPU reference device
 # defaults to 16 so that small test caches still have many blocks.
 DEFAULT_BLOCK_SIZE = 128 if _choice.is_npu else 16
+# npu_fused_infer_attention_score with a paged KV cache: block_size a
+# multiple of 128 in [128, 512]; query, key and value float16 or bfloat16.
+NPU_BLOCK_SIZE_MULTIPLE, NPU_BLOCK_SIZE_RANGE = 128, (128, 512)
+NPU_DTYPES = [torch.bfloat16, torch.float16]
+# Its TND layout with more than one query token per request (prefill,
+# verification) takes head dims 128 or 192; GLM-4.5's is 128.
+NPU_HEAD_SIZES = (128, 192)
 
 
 class AscendPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = _choice.device_type
-    device_type: str = _choice.device_type
-    dispatch_key: str = "PrivateUse1" if _choice.is_npu else "CPU"
+    # The type of the tensors' device: "cpu" under the torch_npu double.
+    device_type: str = _choice.torch_device_type
+    dispatch_key: str = ("PrivateUse1" if _choice.torch_device_type == "npu"
+                         else "CPU")
     ray_device_key: str = "NPU" if _choice.is_npu else ""
     dist_backend: str = _choice.dist_backend
     # vLLM sets it per engine (data parallel ranks); the CPU reference
@@ -42,12 +51,20 @@ class AscendPlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
+        if _choice.is_npu:
+            return list(NPU_DTYPES)
         return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        # vLLM then computes the capture sizes; configure_graph_mode decides
+        # what runs.
+        return True
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         # Pinned host memory needs an accelerator runtime.
-        return _choice.is_npu
+        return _choice.torch_device_type == "npu"
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -112,8 +129,6 @@ class AscendPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
-        from vllm.config import CompilationLevel, CUDAGraphMode
-
         from vllm_ascend.spec_decode.mtp_proposer import check_mtp_config
 
         if vllm_config.model_config is not None:
@@ -121,6 +136,8 @@ class AscendPlatform(Platform):
         cache_config = vllm_config.cache_config
         if cache_config is not None and cache_config.block_size is None:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
+        if _choice.is_npu:
+            _check_npu_limits(vllm_config)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
@@ -138,18 +155,9 @@ class AscendPlatform(Platform):
             scheduler_config.async_scheduling = False
 
         check_mtp_config(vllm_config)
-        compilation_config = vllm_config.compilation_config
         spec = vllm_config.speculative_config
-        num_spec = spec.num_speculative_tokens if spec is not None else 0
-        if _choice.is_npu:
-            compilation_config.cudagraph_capture_sizes = align_capture_sizes(
-                compilation_config.cudagraph_capture_sizes, num_spec)
-        if not _choice.is_npu or (vllm_config.model_config is not None
-                                  and vllm_config.model_config.enforce_eager):
-            # Eager: the CPU reference device runs without graphs.
-            compilation_config.level = CompilationLevel.NO_COMPILATION
-            compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-            compilation_config.cudagraph_capture_sizes = []
+        configure_graph_mode(
+            vllm_config, spec.num_speculative_tokens if spec else 0)
 
         # Workers are spawned: forking after torch threads start is unsafe.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -160,3 +168,28 @@ class AscendPlatform(Platform):
     def validate_request(cls, prompt, params, processed_inputs) -> None:
         super().validate_request(prompt, params, processed_inputs)
         checks.check_sampling_params(params)
+
+
+def _check_npu_limits(vllm_config: "VllmConfig") -> None:
+    """What the NPU kernels cannot run fails at startup, in one line."""
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.dtype not in NPU_DTYPES:
+        raise ValueError(
+            f"dtype {model_config.dtype} is not supported on the Ascend NPU "
+            "(the fused attention takes float16 or bfloat16): use --dtype "
+            "bfloat16 or --dtype float16.")
+    if (model_config is not None
+            and model_config.get_head_size() not in NPU_HEAD_SIZES):
+        raise ValueError(
+            f"head_dim {model_config.get_head_size()} is not supported on the "
+            "Ascend NPU: the fused attention (TND layout) takes head_dim "
+            f"{' or '.join(map(str, NPU_HEAD_SIZES))}.")
+    block_size = vllm_config.cache_config.block_size
+    low, high = NPU_BLOCK_SIZE_RANGE
+    if (block_size % NPU_BLOCK_SIZE_MULTIPLE
+            or not low <= block_size <= high):
+        raise ValueError(
+            f"--block-size {block_size} is not supported on the Ascend NPU "
+            "(the fused attention needs a multiple of "
+            f"{NPU_BLOCK_SIZE_MULTIPLE} in [{low}, {high}]): use --block-size "
+            f"{DEFAULT_BLOCK_SIZE}.")

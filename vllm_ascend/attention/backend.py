@@ -78,9 +78,9 @@ class AscendAttentionMetadata(AttentionMetadata):
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     attn_state: AscendAttentionState
-    # Context length of each request as the kernels take it. Read from the
-    # device seq_lens: in draft steps 2..k of a padded drafter batch only
-    # the device copy is exact (seq_lens_cpu is an upper bound).
+    # Context length of each request as the kernels take it (host values):
+    # from seq_lens_cpu, which is exact except in draft steps 2..k of the
+    # padded drafter batch, where only the device seq_lens are.
     seq_lens_list: list[int]
 
 
@@ -133,8 +133,17 @@ class AscendAttentionMetadataBuilder(
             block_tables=m.block_table_tensor[:num_reqs],
             slot_mapping=m.slot_mapping[:m.num_actual_tokens],
             attn_state=state,
-            seq_lens_list=m.seq_lens[:num_reqs].tolist(),
+            seq_lens_list=seq_lens_cpu.tolist(),
         )
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
+                           draft_index: int) -> AscendAttentionMetadata:
+        metadata = self.build(0, common_attn_metadata, fast_build=True)
+        if draft_index > 0:
+            # Patch 0008: seq_lens_cpu is an upper bound here; the exact
+            # lengths are on the device (one sync per draft step 2..k).
+            metadata.seq_lens_list = metadata.seq_lens.tolist()
+        return metadata
 
 
 class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):

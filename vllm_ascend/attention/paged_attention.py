@@ -80,8 +80,6 @@ class NpuPagedAttention:
     """torch_npu kernels: reshape-and-cache and fused infer attention."""
 
     def __init__(self) -> None:
-        import torch_npu
-        self._torch_npu = torch_npu
         self._mask: torch.Tensor | None = None
 
     def _causal_mask(self, device_: torch.device) -> torch.Tensor:
@@ -93,16 +91,18 @@ class NpuPagedAttention:
 
     def write_kv_cache(self, key, value, key_cache, value_cache,
                        slot_mapping) -> None:
-        self._torch_npu._npu_reshape_and_cache(key=key,
-                                               value=value,
-                                               key_cache=key_cache,
-                                               value_cache=value_cache,
-                                               slot_indices=slot_mapping.int())
+        import torch_npu
+        torch_npu._npu_reshape_and_cache(key=key,
+                                         value=value,
+                                         key_cache=key_cache,
+                                         value_cache=value_cache,
+                                         slot_indices=slot_mapping.int())
 
     def attention(self, query, key_cache, value_cache, metadata, scale,
                   output) -> None:
+        import torch_npu
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-        out, _ = self._torch_npu.npu_fused_infer_attention_score(
+        out, _ = torch_npu.npu_fused_infer_attention_score(
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),

@@ -1,28 +1,32 @@
-"""Map the CUDA stream and event types vLLM's runner creates to the device.
+"""Map the CUDA stream and event API vLLM's runner uses to the device.
 
 vLLM's GPU model runner builds ``torch.cuda.Stream``/``Event`` objects in its
-constructor. On an NPU these are torch_npu's streams and events; on the CPU
-reference device vLLM's own CPU placeholders (no-ops) stand in.
+constructor and, with async scheduling, calls ``torch.cuda.Event``,
+``current_stream`` and ``stream`` at every step. On an NPU these are
+torch_npu's for the life of the worker process (it runs nothing on CUDA);
+on the CPU reference device vLLM's CPU placeholders stand in while the
+runner is built (async scheduling is off there).
 """
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 from vllm.v1.worker.cpu_model_runner import _torch_cuda_wrapper
 
 from vllm_ascend import device
 
+CUDA_STREAM_API = ("Event", "Stream", "current_stream", "default_stream",
+                   "stream")
 
-@contextlib.contextmanager
-def _npu_streams() -> Iterator[None]:
-    saved = torch.cuda.Event, torch.cuda.Stream
-    try:
-        torch.cuda.Event, torch.cuda.Stream = torch.npu.Event, torch.npu.Stream
-        yield
-    finally:
-        torch.cuda.Event, torch.cuda.Stream = saved
+
+def use_npu_streams() -> None:
+    """Point ``torch.cuda``'s stream and event API at ``torch.npu``."""
+    for name in CUDA_STREAM_API:
+        setattr(torch.cuda, name, getattr(torch.npu, name))
 
 
 def device_streams() -> contextlib.AbstractContextManager:
-    return _npu_streams() if device.current().is_npu else _torch_cuda_wrapper()
+    if device.current().is_npu:
+        use_npu_streams()
+        return contextlib.nullcontext()
+    return _torch_cuda_wrapper()

@@ -21,20 +21,18 @@ logger = init_logger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 4
 
 
+def _non_torch_memory(free: int, total: int) -> int:
+    """Device memory in use that torch's allocator does not hold."""
+    return total - free - torch.npu.memory_reserved()
+
+
 class AscendWorker(Worker):
 
     def init_device(self) -> None:
         choice = device.current()
+        self.device = device.tensor_device(self.local_rank)
         if choice.is_npu:
-            self.device = torch.device(f"npu:{self.local_rank}")
-        else:
-            self.device = torch.device("cpu")
-        current_platform.set_device(self.device)
-        if self.model_config.dtype not in current_platform.supported_dtypes:
-            raise ValueError(
-                f"dtype {self.model_config.dtype} is not supported on "
-                f"{choice.device_type}; use one of "
-                f"{current_platform.supported_dtypes}.")
+            torch.npu.set_device(self.local_rank)
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method,
                                             self.local_rank,
@@ -44,6 +42,8 @@ class AscendWorker(Worker):
             gc.collect()
             torch.npu.empty_cache()
             self.init_free_memory, self.total_memory = torch.npu.mem_get_info()
+            self.init_non_torch_memory = _non_torch_memory(
+                self.init_free_memory, self.total_memory)
         self.model_runner: AscendModelRunner = AscendModelRunner(
             self.vllm_config, self.device)
 
@@ -53,18 +53,42 @@ class AscendWorker(Worker):
         # both devices, so a shape problem shows up here, before serving.
         on_npu = device.current().is_npu
         if on_npu:
+            gc.collect()
+            torch.npu.empty_cache()
             torch.npu.reset_peak_memory_stats()
         self.model_runner.profile_run()
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
         if not on_npu:
             return self._cpu_kv_cache_bytes()
+        return self._npu_kv_cache_bytes()
+
+    def _npu_kv_cache_bytes(self) -> int:
+        """What is left of ``gpu_memory_utilization`` of the NPU after what
+        was in use at start-up, the profile run's torch peak, and memory
+        that appeared outside torch's allocator since (HCCL buffers, the
+        ATB and aclnn workspaces, allocated on first use)."""
+        free, total = torch.npu.mem_get_info()
         peak = torch.npu.max_memory_allocated()
-        requested = self.total_memory * self.cache_config.gpu_memory_utilization
-        used_by_others = self.total_memory - self.init_free_memory
-        available = int(requested - used_by_others - peak)
-        logger.info("Available KV cache memory: %.2f GiB (peak %.2f GiB)",
-                    available / GiB_bytes, peak / GiB_bytes)
+        non_torch = (_non_torch_memory(free, total) -
+                     self.init_non_torch_memory)
+        requested = total * self.cache_config.gpu_memory_utilization
+        used_at_start = total - self.init_free_memory
+        available = int(requested - used_at_start - peak - non_torch)
+        logger.info(
+            "Available KV cache memory: %.2f GiB (of %.2f GiB requested: "
+            "%.2f GiB in use at start, %.2f GiB torch peak, %.2f GiB "
+            "outside torch).", available / GiB_bytes, requested / GiB_bytes,
+            used_at_start / GiB_bytes, peak / GiB_bytes,
+            non_torch / GiB_bytes)
+        if available <= 0:
+            raise ValueError(
+                f"No NPU memory is left for the KV cache "
+                f"({available / GiB_bytes:.2f} GiB): raise "
+                "--gpu-memory-utilization "
+                f"({self.cache_config.gpu_memory_utilization}), lower "
+                "--max-num-batched-tokens or --max-num-seqs, or set "
+                "--kv-cache-memory.")
         return available
 
     def _cpu_kv_cache_bytes(self) -> int:
@@ -85,19 +109,6 @@ class AscendWorker(Worker):
             "sequences, at most %d GiB).", space_bytes / GiB_bytes,
             DEFAULT_CPU_KV_CACHE_GIB)
         return int(space_bytes)
-
-    def compile_or_warm_up_model(self) -> None:
-        if device.current().is_npu:
-            super().compile_or_warm_up_model()
-            return
-        # No graphs on the CPU reference device: one warm-up step of the
-        # largest decode batch, then a clean random state.
-        max_num_reqs = min(self.scheduler_config.max_num_seqs,
-                           self.scheduler_config.max_num_batched_tokens)
-        _, last_hidden_states = self.model_runner._dummy_run(
-            num_tokens=max_num_reqs, skip_eplb=True)
-        self.model_runner._dummy_sampler_run(hidden_states=last_hidden_states)
-        set_random_seed(self.model_config.seed)
 
     def sleep(self, level: int = 1) -> None:
         logger.warning("Sleep mode is not supported by vllm_ascend; ignored.")

@@ -129,12 +129,17 @@ def _moe_experts_npu(
                                      split_item=2,
                                      group_type=0,
                                      group_list_type=1)[0]
+    # Rows past sum(group_list) (the tokens of other ranks' experts) are
+    # left undefined by npu_grouped_matmul: they may hold Inf or NaN, which
+    # a zero weight does not cancel. Select them away before the sum.
     rows = torch.arange(y.shape[0], device=y.device)
     valid = rows < counts.sum()
     slot = torch.where(valid, src_slot.long(), torch.zeros_like(rows))
-    weight = topk_weights.flatten().float()[slot] * valid
+    weight = topk_weights.flatten().float()[slot]
+    contrib = torch.where(valid.unsqueeze(1), y.float() * weight.unsqueeze(1),
+                          0.0)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out.index_add_(0, slot // top_k, y.float() * weight.unsqueeze(1))
+    out.index_add_(0, slot // top_k, contrib)
     return out.to(x.dtype)
 
 

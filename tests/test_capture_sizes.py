@@ -1,6 +1,6 @@
 """Capture sizes for speculative decoding are multiples of 1 + k."""
 
-from vllm_ascend.graph_sizes import align_capture_sizes
+from vllm_ascend.compilation.capture_sizes import align_capture_sizes
 
 
 def test_sizes_round_up_to_multiples_of_verify_batch():

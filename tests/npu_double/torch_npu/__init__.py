@@ -1,0 +1,45 @@
+"""torch_npu, as a contract double on CPU tensors (test-only).
+
+Importing it does what importing torch_npu does: ``torch.npu`` appears, the
+PrivateUse1 backend is named ``npu`` and the ``hccl`` process-group backend
+is registered (here gloo underneath). The ops are in ``_ops``.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import npu as _npu_module
+from ._ops import (_npu_reshape_and_cache, npu_add_rms_norm,  # noqa: F401
+                   npu_fused_infer_attention_score, npu_grouped_matmul,
+                   npu_moe_gating_top_k, npu_moe_init_routing_v2,
+                   npu_rms_norm, npu_rotary_mul, npu_swiglu)
+
+CONTRACT_DOUBLE = True
+__version__ = "2.8.0+contract-double"
+
+npu = _npu_module
+
+
+def _register() -> None:
+    try:
+        torch.utils.rename_privateuse1_backend("npu")
+    except RuntimeError:
+        pass  # already named (a second import in this process)
+    if not hasattr(torch, "npu"):
+        torch._register_device_module("npu", _npu_module)
+    if "hccl" not in dist.Backend.backend_list:
+
+        def _hccl_as_gloo(store, rank, size, timeout):
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+        dist.Backend.register_backend("hccl", _hccl_as_gloo, devices=["cpu"])
+
+
+_register()
+
+
+def npu_fusion_attention(*args, **kwargs):
+    """Imported by transformers when torch_npu is present; the plugin never
+    calls it."""
+    raise NotImplementedError("the torch_npu double does not implement "
+                              "npu_fusion_attention")

@@ -1,0 +1,516 @@
+"""The torch_npu ops the plugin calls: contract checks, then the semantics.
+
+Each check is written from the op's documentation in Ascend/op-plugin at
+the 7.2.0 tag (what torch_npu 2.8.0 ships; ``docs/context/<op>.md``, the
+schema in ``op_plugin/config/op_plugin_functions.yaml``) and raises what the
+real op raises (RuntimeError from the kernel's parameter checks, TypeError
+for an argument the schema does not take). Signatures follow the schemas:
+the same argument names, the same keyword-only markers. Results are
+computed from the documented formulas, in float32, independently of the
+plugin's own references; what the documentation leaves undefined (rows
+past the valid ones) is filled with NaN, so a caller that reads it sees it.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import npu as _npu
+from ._trace import traced
+
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise RuntimeError(f"{op}: {message}")
+
+
+def _dtype(t: torch.Tensor, allowed, op: str, name: str) -> None:
+    check(t.dtype in allowed, op,
+          f"{name} dtype {t.dtype} is not supported; expected one of "
+          f"{[str(d) for d in allowed]}")
+
+
+def _kernel(op: str) -> None:
+    _npu.state.kernel_launched()
+
+
+# --- paged attention ---------------------------------------------------
+
+@traced("torch_npu._npu_reshape_and_cache")
+def _npu_reshape_and_cache(key, value, key_cache, value_cache,
+                           slot_indices) -> None:
+    """ATB ReshapeAndCacheOperation (op_plugin/ops/atb/
+    ReshapeAndCachAtb.cpp; CANN ATB docs, "ReshapeAndCacheOperation"):
+    key/value [num_tokens, num_heads, head_size], caches [num_blocks,
+    block_size, num_heads, head_size], all of one dtype (fp16/bf16/int8),
+    slot_indices int32 [num_tokens]; writes the caches in place."""
+    op = "_npu_reshape_and_cache"
+    _kernel(op)
+    check(key.dim() == 3 and value.dim() == 3, op,
+          "key and value must be [num_tokens, num_heads, head_size]")
+    check(key_cache.dim() == 4 and value_cache.dim() == 4, op,
+          "key_cache and value_cache must be [num_blocks, block_size, "
+          "num_heads, head_size] (ND)")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache)):
+        _dtype(t, HALF + (torch.int8, ), op, name)
+    check(len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype})
+          == 1, op, "key, value, key_cache and value_cache must have the "
+          "same dtype")
+    check(key_cache.shape[2:] == key.shape[1:]
+          and value_cache.shape[2:] == value.shape[1:], op,
+          f"cache heads/head_size {tuple(key_cache.shape[2:])} do not match "
+          f"key {tuple(key.shape[1:])}")
+    check(slot_indices.dtype == torch.int32, op,
+          f"slot_indices must be int32, got {slot_indices.dtype}")
+    check(slot_indices.shape == (key.shape[0], ), op,
+          f"slot_indices must be [num_tokens={key.shape[0]}], got "
+          f"{tuple(slot_indices.shape)}")
+    num_blocks, block_size = key_cache.shape[:2]
+    slots = slot_indices.long()
+    check(bool((slots < num_blocks * block_size).all()), op,
+          "slot index past the cache")
+    valid = slots >= 0  # padding tokens (the op-plugin golden skips them)
+    s = slots[valid]
+    key_cache[s // block_size, s % block_size] = key[valid]
+    value_cache[s // block_size, s % block_size] = value[valid]
+
+
+_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "BSH_NBSD", "BSND_NBSD",
+            "BNSD_NBSD", "TND", "TND_NTD", "NTD_TND")
+MASK_SIZE = 2048
+
+
+def _int_list(value, op: str, name: str) -> list[int]:
+    # SymInt[]? in the schema: a Python list of ints, never a tensor.
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) for v in value):
+        raise TypeError(f"{op}(): argument '{name}' must be a list of ints, "
+                        f"not {type(value).__name__}")
+    return list(value)
+
+
+@traced("torch_npu.npu_fused_infer_attention_score")
+def npu_fused_infer_attention_score(
+        query, key, value, *, pse_shift=None, atten_mask=None,
+        actual_seq_lengths=None, actual_seq_lengths_kv=None,
+        block_table=None, num_heads=1, scale=1.0,
+        pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
+        num_key_value_heads=0, sparse_mode=0, inner_precise=0,
+        block_size=0, softmax_lse_flag=False, **unsupported):
+    """docs/context/torch_npu-npu_fused_infer_attention_score.md.
+
+    The double implements the TND layout with a paged KV cache (what the
+    plugin calls); the other layouts raise NotImplementedError.
+    """
+    op = "npu_fused_infer_attention_score"
+    _kernel(op)
+    known = {"dequant_scale1", "quant_scale1", "dequant_scale2",
+             "quant_scale2", "quant_offset2", "antiquant_scale",
+             "antiquant_offset", "key_antiquant_scale",
+             "key_antiquant_offset", "value_antiquant_scale",
+             "value_antiquant_offset", "query_padding_size",
+             "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
+             "actual_shared_prefix_len", "query_rope", "key_rope",
+             "key_rope_antiquant_scale", "antiquant_mode",
+             "key_antiquant_mode", "value_antiquant_mode"}
+    bad = set(unsupported) - known
+    if bad:
+        raise TypeError(f"{op}() got unexpected keyword arguments "
+                        f"{sorted(bad)}")
+    if any(v is not None and v != 0 for v in unsupported.values()):
+        raise NotImplementedError(f"the double does not implement {op} "
+                                  "quantization, prefix or rope inputs")
+    check(input_layout in _LAYOUTS, op,
+          f"input_layout {input_layout!r} is not one of {_LAYOUTS}")
+    if input_layout != "TND" or block_table is None:
+        raise NotImplementedError(
+            f"the double implements {op} for input_layout='TND' with "
+            "block_table (paged attention) only")
+    # "query: float16, bfloat16 (int8 in full quantization)".
+    _dtype(query, HALF, op, "query")
+    _dtype(key, HALF, op, "key")
+    check(key.dtype == query.dtype and value.dtype == query.dtype, op,
+          "query, key and value must have the same dtype")
+    check(key.shape == value.shape, op,
+          "the shapes of key and value must be completely identical")
+    check(key.is_contiguous() and value.is_contiguous(), op,
+          "key and value must be contiguous")
+    check(query.dim() == 3, op, "TND query must be 3-D [T, N, D]")
+    tokens, heads, head_dim = query.shape
+    check(num_heads == heads, op,
+          f"num_heads={num_heads} does not match query's N={heads}")
+    kv_heads = num_key_value_heads or num_heads
+    check(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op,
+          "num_heads must be a multiple of num_key_value_heads, at most 64x")
+    # Paged attention: block_table 2-D int32 [B, max_blocks]; the cache
+    # (blocknum, blocksize, H) with H = KV_N * D.
+    check(block_table.dim() == 2 and block_table.dtype == torch.int32, op,
+          "block_table must be 2-D int32")
+    check(key.dim() == 3 and key.shape[1] == block_size
+          and key.shape[2] == kv_heads * head_dim, op,
+          f"paged key must be (blocknum, block_size={block_size}, "
+          f"KV_N*D={kv_heads * head_dim}), got {tuple(key.shape)}")
+    # TND: both length lists required; actual_seq_lengths is cumulative
+    # ("each element is the sum of the seqlen of the current batch and all
+    # previous batches"); with paged attention actual_seq_lengths_kv holds
+    # each request's KV length.
+    check(actual_seq_lengths is not None
+          and actual_seq_lengths_kv is not None, op,
+          "TND needs actual_seq_lengths and actual_seq_lengths_kv")
+    cum_q = _int_list(actual_seq_lengths, op, "actual_seq_lengths")
+    kv_lens = _int_list(actual_seq_lengths_kv, op, "actual_seq_lengths_kv")
+    batch = len(cum_q)
+    check(0 < batch <= 4096, op, "TND batch must be in [1, 4096]")
+    check(all(a <= b for a, b in zip([0] + cum_q, cum_q)), op,
+          "actual_seq_lengths must be non-negative and non-decreasing "
+          "(cumulative)")
+    check(cum_q[-1] == tokens, op,
+          f"actual_seq_lengths ends at {cum_q[-1]}, query has T={tokens}")
+    check(len(kv_lens) == batch and block_table.shape[0] == batch, op,
+          f"actual_seq_lengths_kv ({len(kv_lens)}) and block_table dim 0 "
+          f"({block_table.shape[0]}) must equal the batch ({batch})")
+    q_lens = [b - a for a, b in zip([0] + cum_q, cum_q)]
+    max_q = max(q_lens)
+    if max_q > 1:
+        # Q_S > 1: "block_size minimum 128, maximum 512, a multiple of
+        # 128"; TND (D != 512) head dims 128 or 192.
+        check(block_size % 128 == 0 and 128 <= block_size <= 512, op,
+              f"block_size={block_size}: with Q_S > 1 paged attention "
+              "needs a multiple of 128 in [128, 512]")
+        check(head_dim in (128, 192), op,
+              f"TND with Q_S > 1 supports head dim 128 or 192, got "
+              f"{head_dim}")
+    else:
+        check(0 < block_size <= 512 and block_size % 16 == 0, op,
+              f"block_size={block_size}: must be 16-aligned, at most 512")
+        check(head_dim <= 512 and head_dim % 16 == 0, op,
+              f"head dim {head_dim} must be 16-aligned, at most 512")
+    check(max(kv_lens) <= block_table.shape[1] * block_size, op,
+          "block_table has fewer blocks than actual_seq_lengths_kv needs")
+    check(sparse_mode in (0, 3), op,
+          f"TND supports sparse_mode 0 or 3, got {sparse_mode}")
+    if sparse_mode == 3:
+        check(atten_mask is not None
+              and atten_mask.shape[-2:] == (MASK_SIZE, MASK_SIZE)
+              and atten_mask.dtype in (torch.bool, torch.int8, torch.uint8),
+              op, "sparse_mode=3 needs the optimized 2048x2048 atten_mask "
+              "(bool/int8/uint8)")
+        check(all(q <= kv for q, kv in zip(q_lens, kv_lens)), op,
+              "each request's query length must not exceed its KV length")
+    check(isinstance(scale, float), op, "scale must be a float")
+
+    out = torch.empty_like(query)
+    cache_k = key.view(key.shape[0], block_size, kv_heads, head_dim)
+    cache_v = value.view_as(cache_k)
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len == 0:
+            continue
+        blocks = block_table[i, :-(-kv_len // block_size)].long()
+        k = cache_k[blocks].flatten(0, 1)[:kv_len].float()
+        v = cache_v[blocks].flatten(0, 1)[:kv_len].float()
+        k = k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        q = query[start:start + q_len].float().transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * scale
+        if sparse_mode == 3:  # causal, aligned to the bottom right
+            qi = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+            scores.masked_fill_(torch.arange(kv_len).unsqueeze(0) > qi,
+                                float("-inf"))
+        out[start:start + q_len] = (scores.softmax(-1) @ v).transpose(
+            0, 1).to(query.dtype)
+        start += q_len
+    return out, torch.empty(0, dtype=torch.float32)
+
+
+# --- norms and activations ---------------------------------------------
+
+_RMS_PAIRS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+              (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+              (torch.float32, torch.float32)}
+
+
+def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float):
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def _gamma_suffix(x, gamma, op: str) -> None:
+    # "gamma_shape = self_shape[n:]": gamma matches trailing dims of x.
+    check(x.dim() >= gamma.dim() and tuple(x.shape[x.dim() - gamma.dim():])
+          == tuple(gamma.shape), op,
+          f"gamma {tuple(gamma.shape)} must equal the trailing dims of "
+          f"{tuple(x.shape)}")
+
+
+@traced("torch_npu.npu_rms_norm")
+def npu_rms_norm(self, gamma, epsilon=1e-06):
+    """docs/context/(beta)torch_npu-npu_rms_norm.md: x 2-8 dims; dtype
+    pairs (x, gamma) fp16/fp32, bf16/fp32, fp16, bf16, fp32; returns
+    (y, rstd float32 keep-dims)."""
+    op = "npu_rms_norm"
+    _kernel(op)
+    check(2 <= self.dim() <= 8, op, f"x must have 2-8 dims, got {self.dim()}")
+    check((self.dtype, gamma.dtype) in _RMS_PAIRS, op,
+          f"unsupported dtypes x {self.dtype}, gamma {gamma.dtype}")
+    _gamma_suffix(self, gamma, op)
+    return _rms(self, gamma, epsilon)
+
+
+@traced("torch_npu.npu_add_rms_norm")
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
+    """torch_npu-npu_add_rms_norm.md (op-plugin master; 7.2.0 has no page,
+    same schema): x = x1 + x2, returns (y, rstd, x); x1, x2 fp32/fp16/bf16
+    of one shape, 1-8 dims, not empty; gamma of x1's dtype."""
+    op = "npu_add_rms_norm"
+    _kernel(op)
+    _dtype(x1, FLOATS, op, "x1")
+    check(x1.dtype == x2.dtype and x1.shape == x2.shape, op,
+          "x1 and x2 must have the same dtype and shape")
+    check(gamma.dtype == x1.dtype, op, "gamma must have x1's dtype")
+    check(1 <= x1.dim() <= 8 and x1.numel() > 0, op,
+          "x1 must have 1-8 dims and not be empty")
+    _gamma_suffix(x1, gamma, op)
+    s = x1.float() + x2.float()
+    y, rstd = _rms(s, gamma, epsilon)
+    return y.to(x1.dtype), rstd, s.to(x1.dtype)
+
+
+@traced("torch_npu.npu_swiglu")
+def npu_swiglu(self, dim=-1):
+    """docs/context/(beta)torch_npu-npu_swiglu.md: silu(A) * B of the two
+    halves along dim; 1-8 dims, even along dim, contiguous, not empty."""
+    op = "npu_swiglu"
+    _kernel(op)
+    _dtype(self, FLOATS, op, "input")
+    check(1 <= self.dim() <= 8 and self.numel() > 0, op,
+          "input must have 1-8 dims and not be empty")
+    check(-self.dim() <= dim < self.dim(), op, f"dim {dim} out of range")
+    check(self.shape[dim] % 2 == 0, op,
+          f"input size {self.shape[dim]} along dim {dim} must be even")
+    check(self.is_contiguous(), op, "non-contiguous input is not supported")
+    a, b = self.float().chunk(2, dim=dim)
+    return (F.silu(a) * b).to(self.dtype)
+
+
+@traced("torch_npu.npu_rotary_mul")
+def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
+    """docs/context/torch_npu-npu_rotary_mul.md: out = x * r1 +
+    rotate(x) * r2; 4-D input, r1, r2; D even and < 896; in BSND layout
+    r1/r2 broadcast as 1S1D, BS1D or BSND (interleave: 1S1D only)."""
+    op = "npu_rotary_mul"
+    _kernel(op)
+    check(rotary_mode in ("half", "interleave"), op,
+          "The rotary_mode of npu_rotary_mul should be half or interleave")
+    for name, t in (("input", self), ("r1", r1), ("r2", r2)):
+        check(t.dim() == 4, op, f"{name} dimension must be 4")
+        _dtype(t, FLOATS, op, name)
+    check(r1.shape == r2.shape, op, "r1 and r2 must have the same shape")
+    b, s, n, d = self.shape
+    check(d % 2 == 0 and d < 896, op, f"D={d} must be even and < 896")
+    allowed = [(1, s, 1, d), (b, s, 1, d), (b, s, n, d)]
+    if rotary_mode == "interleave":
+        allowed = [(1, s, 1, d)]
+        check(b * n < 1000, op, "interleave needs B*N < 1000")
+    check(tuple(r1.shape) in allowed, op,
+          f"r1/r2 shape {tuple(r1.shape)} cannot broadcast to BSND input "
+          f"{tuple(self.shape)} in {rotary_mode} mode")
+    x, cos, sin = self.float(), r1.float(), r2.float()
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+    return (x * cos + rotated * sin).to(self.dtype)
+
+
+# --- MoE ---------------------------------------------------------------
+
+@traced("torch_npu.npu_moe_gating_top_k")
+def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1,
+                         group_select_mode=0, renorm=0, norm_type=0,
+                         out_flag=False, routed_scaling_factor=1.0,
+                         eps=1e-20):
+    """docs/context/torch_npu-npu_moe_gating_top_k.md (and the equivalent
+    Python of the master doc): the bias only selects, weights are the
+    unbiased scores, normalized only for norm_type 1 (sigmoid)."""
+    op = "npu_moe_gating_top_k"
+    _kernel(op)
+    check(x.dim() == 2, op, "The x should be 2D")
+    _dtype(x, FLOATS, op, "x")
+    tokens, experts = x.shape
+    check(experts <= 2048, op, "the expert count must be at most 2048")
+    if bias is not None:
+        check(bias.dtype == x.dtype, op, "The dtype of x and bias should be "
+              "same")
+        check(bias.dim() == 1 and bias.shape[0] == experts, op,
+              "The bias should be 1D, its first dim same as x second dim")
+    check(group_count > 0 and experts % group_count == 0
+          and experts // group_count > 2, op,
+          "E must be divisible by group_count with a quotient > 2")
+    per_group = experts // group_count
+    check(-(-per_group // 32) * 32 * group_count <= 2048, op,
+          "the per-group expert count aligned to 32, times group_count, "
+          "must be at most 2048")
+    check(1 <= k_group <= group_count, op, "k_group must be in "
+          "[1, group_count]")
+    check(1 <= k <= per_group * k_group, op,
+          f"k={k} must be in [1, E / group_count * k_group]")
+    check(renorm == 0, op, "renorm: only 0 is supported")
+    check(norm_type in (0, 1) and group_select_mode in (0, 1), op,
+          "norm_type and group_select_mode must be 0 or 1")
+    scores = x.float().sigmoid() if norm_type == 1 else x.float().softmax(-1)
+    choice = scores if bias is None else scores + bias.float()
+    grouped = choice.view(tokens, group_count, per_group)
+    if group_select_mode == 1:
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.amax(-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+        1, group_scores.topk(k_group, dim=-1).indices, True)
+    choice = choice.masked_fill(
+        ~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = choice.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    y = scores.gather(1, ids)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    return (y.to(x.dtype), ids.to(torch.int32),
+            scores if out_flag else torch.empty(0))
+
+
+@traced("torch_npu.npu_moe_init_routing_v2")
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
+                            active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0,
+                            expert_tokens_num_type=0,
+                            expert_tokens_num_flag=False, quant_mode=0,
+                            active_expert_range=(), row_idx_type=0):
+    """docs/context/torch_npu-npu_moe_init_routing_v2.md: a stable sort of
+    the flat (token, slot) pairs by expert; rows of experts outside
+    ``active_expert_range = [start, end)`` go last and are invalid."""
+    op = "npu_moe_init_routing_v2"
+    _kernel(op)
+    check(x.dim() == 2 and expert_idx.dim() == 2
+          and x.shape[0] == expert_idx.shape[0], op,
+          "x [NUM_ROWS, H] and expert_idx [NUM_ROWS, K] must be 2-D")
+    _dtype(x, FLOATS + (torch.int8, ), op, "x")
+    check(expert_idx.dtype == torch.int32, op, "expert_idx must be int32")
+    rows, top_k = expert_idx.shape
+    check(active_num == rows * top_k, op,
+          f"active_num must equal NUM_ROWS*K={rows * top_k}")
+    check(quant_mode in (-1, 1), op, "quant_mode: only -1 and 1 are "
+          "supported")
+    check(quant_mode == -1 and scale is None and offset is None, op,
+          "the double implements quant_mode=-1 without scale only")
+    check(drop_pad_mode == 0, op, "drop_pad_mode: only 0 (dropless) is "
+          "supported")
+    check(expert_tokens_num_type == 1, op,
+          "the double implements expert_tokens_num_type=1 (counts); the "
+          "kernel supports 1 and 2")
+    check(expert_tokens_num_flag is True, op,
+          "expert_tokens_num_flag: only True is supported")
+    check(row_idx_type in (0, 1), op, "row_idx_type must be 0 or 1")
+    check(len(active_expert_range) == 2, op,
+          "active_expert_range must be [expert_start, expert_end]")
+    start, end = active_expert_range
+    check(0 <= start < end <= expert_num <= 10240, op,
+          "need 0 <= expert_start < expert_end <= expert_num <= 10240")
+    flat = expert_idx.flatten().long()
+    check(bool((flat >= 0).all() and (flat < expert_num).all()), op,
+          "expert ids must be in [0, expert_num)")
+    key = torch.where(flat < start, torch.iinfo(torch.int32).max, flat)
+    order = key.argsort(stable=True)
+    in_range = (flat >= start) & (flat < end)
+    available = int(in_range.sum())
+    expanded_x = x[order // top_k].clone()
+    if expanded_x.is_floating_point():
+        expanded_x[available:] = float("nan")  # invalid rows: undefined
+    if row_idx_type == 1:
+        row_idx = order.to(torch.int32)
+    else:
+        row_idx = torch.full_like(order, -1, dtype=torch.int32)
+        row_idx[order[:available]] = torch.arange(available,
+                                                  dtype=torch.int32)
+    counts = torch.bincount(flat[in_range] - start,
+                            minlength=end - start).to(torch.int64)
+    return (expanded_x, row_idx, counts,
+            torch.zeros(rows * top_k, dtype=torch.float32))
+
+
+@traced("torch_npu.npu_grouped_matmul")
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
+                       antiquant_scale=None, antiquant_offset=None,
+                       per_token_scale=None, group_list=None,
+                       activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item=0,
+                       group_type=None, group_list_type=0, act_type=0,
+                       tuning_config=None, output_dtype=None):
+    """docs/context/torch_npu-npu_grouped_matmul.md, one x [M, K] and one
+    3-D weight [E, K, N] grouped on M (group_type 0, split_item 2/3).
+
+    The doc asks for sum(group_list) == M. The plugin, as vllm-ascend
+    under expert parallelism, passes fewer rows (the tokens of other
+    ranks' experts last): the double accepts that and leaves the rows past
+    the sum undefined (NaN), which is what the kernel does not promise to
+    compute.
+    """
+    op = "npu_grouped_matmul"
+    _kernel(op)
+    check(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)),
+          op, "x and weight must be lists of tensors")
+    check(group_type is not None, op,
+          "Requires manual passing group_type, current is None.")
+    check(split_item in (0, 1, 2, 3), op, "Invalid value of split_item")
+    if any(t is not None for t in (bias, scale, offset, antiquant_scale,
+                                   antiquant_offset, per_token_scale,
+                                   activation_input)):
+        raise NotImplementedError("the double implements the unquantized "
+                                  "grouped matmul without bias only")
+    check(len(x) == 1 and len(weight) == 1 and weight[0].dim() == 3
+          and group_type == 0 and split_item in (2, 3), op,
+          "the double implements one x, one 3-D weight, group_type=0, "
+          "split_item 2 or 3")
+    a, w = x[0], weight[0]
+    check(a.dim() == 2, op, "x must be 2-D with split_item 2/3")
+    check(a.dtype == w.dtype and a.dtype in FLOATS, op,
+          f"x {a.dtype} and weight {w.dtype} must be one float dtype")
+    check(a.shape[1] == w.shape[1], op,
+          f"x [M, K={a.shape[1]}] does not match weight [E, K={w.shape[1]}"
+          ", N]")
+    check(a.shape[-1] < 65536 and w.shape[-1] < 65536, op,
+          "inner axes must be < 65536")
+    check(group_list is not None and isinstance(group_list, torch.Tensor),
+          op, "group_list (a tensor) must be passed")
+    check(group_list.dim() == 1 and group_list.dtype == torch.int64, op,
+          "group_list must be 1-D int64")
+    check(group_list.shape[0] == w.shape[0] <= 1024, op,
+          f"group_list length {group_list.shape[0]} must equal the "
+          f"{w.shape[0]} groups of weight (at most 1024)")
+    check(group_list_type in (0, 1), op, "group_list_type must be 0 or 1")
+    gl = group_list.tolist()
+    check(all(v >= 0 for v in gl), op, "group_list must be non-negative")
+    if group_list_type == 0:
+        check(all(p <= q for p, q in zip(gl, gl[1:])), op,
+              "a cumsum group_list must be non-decreasing")
+        counts = [q - p for p, q in zip([0] + gl, gl)]
+    else:
+        check(len(gl) != 1, op, "a count group_list cannot have length 1")
+        counts = gl
+    check(sum(counts) <= a.shape[0], op,
+          f"group_list covers {sum(counts)} rows, x has {a.shape[0]}")
+    out = torch.full((a.shape[0], w.shape[2]), float("nan"),
+                     dtype=output_dtype or a.dtype)
+    row = 0
+    for e, n in enumerate(counts):
+        out[row:row + n] = (a[row:row + n].float() @ w[e].float()).to(
+            out.dtype)
+        row += n
+    return [out]

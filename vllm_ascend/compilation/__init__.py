@@ -1,0 +1,1 @@
+"""Graph capture for the plugin: capture sizes and the graph-mode setup."""
