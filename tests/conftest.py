@@ -1,8 +1,29 @@
+import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+CALL_SITE_TEST = "test_npu_call_sites.py"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "npu: an NPU code path; runs on an Ascend NPU when there "
+        "is one, else through the torch_npu contract double")
+    # Every process the tests start (engine cores, DP ranks, servers)
+    # records which plugin call sites reached the torch_npu double.
+    if "VLLM_ASCEND_NPU_DOUBLE_TRACE" not in os.environ:
+        trace = Path(config.rootpath, ".pytest_cache", "npu_call_sites.txt")
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text("")
+        os.environ["VLLM_ASCEND_NPU_DOUBLE_TRACE"] = str(trace)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The call-site check reads what all other tests reached: run it
+    last."""
+    items.sort(key=lambda item: item.fspath.basename == CALL_SITE_TEST)
 
 
 @pytest.fixture(scope="session")

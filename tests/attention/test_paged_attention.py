@@ -105,30 +105,3 @@ def test_batch_classification():
                           4) == AscendAttentionState.PREFILL_NO_CACHE
     assert classify_batch(t([4, 1]), t([9, 3]),
                           4) == AscendAttentionState.CHUNKED_PREFILL
-
-
-@pytest.mark.skipif(not hasattr(torch, "npu"),
-                    reason="needs an Ascend NPU with torch_npu")
-def test_npu_matches_reference():  # pragma: no cover - NPU only
-    from vllm_ascend.attention.paged_attention import NpuPagedAttention
-    torch.manual_seed(0)
-    ref, npu = ReferencePagedAttention(), NpuPagedAttention()
-    key_cache = torch.randn(16, 128, KV_HEADS, DIM, dtype=torch.float16)
-    value_cache = torch.randn_like(key_cache)
-    query = torch.randn(3, HEADS, DIM, dtype=torch.float16)
-    bt = torch.tensor([[3, 5], [7, 0]], dtype=torch.int32)
-    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
-    seq_lens = torch.tensor([150, 40], dtype=torch.int32)
-    meta = AscendAttentionMetadata(3, 2, 2, 150, qsl, qsl, seq_lens, seq_lens,
-                                   bt, torch.zeros(3, dtype=torch.int64),
-                                   AscendAttentionState.CHUNKED_PREFILL,
-                                   seq_lens.tolist())
-    want = torch.empty_like(query)
-    ref.attention(query, key_cache, value_cache, meta, DIM**-0.5, want)
-    got = torch.empty_like(query).npu()
-    npu_meta = AscendAttentionMetadata(
-        3, 2, 2, 150, qsl.npu(), qsl, seq_lens.npu(), seq_lens, bt.npu(),
-        meta.slot_mapping.npu(), meta.attn_state, meta.seq_lens_list)
-    npu.attention(query.npu(), key_cache.npu(), value_cache.npu(), npu_meta,
-                  DIM**-0.5, got)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-2)

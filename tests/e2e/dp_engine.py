@@ -50,11 +50,11 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
             f"{len(sampling_per_rank)} of sampling parameters; give one "
             "sampling entry per rank.")
     dp_size = len(prompts_per_rank)
-    base_env = dict(os.environ, VLLM_ASCEND_DEVICE="cpu",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
-                    VLLM_DP_SIZE=str(dp_size),
-                    VLLM_DP_MASTER_IP="127.0.0.1",
-                    VLLM_DP_MASTER_PORT=str(_free_port()), **(env or {}))
+    base_env = {**os.environ, "VLLM_ASCEND_DEVICE": "cpu",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+                "VLLM_DP_SIZE": str(dp_size),
+                "VLLM_DP_MASTER_IP": "127.0.0.1",
+                "VLLM_DP_MASTER_PORT": str(_free_port()), **(env or {})}
     procs: list[subprocess.Popen] = []
     files = []
     try:

@@ -23,8 +23,8 @@ def run_engine(engine: dict, prompts: list[list[int]], sampling,
                    "sampling": sampling, "inspect": inspect}, spec)
     # In-process engine core: faster to start; patch 0004 makes it deliver
     # drafts like the multiprocess one.
-    full_env = dict(os.environ, VLLM_ASCEND_DEVICE="cpu",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+    full_env = {**os.environ, "VLLM_ASCEND_DEVICE": "cpu",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     proc = subprocess.run([sys.executable, str(RUNNER), spec.name],
                           capture_output=True, text=True, env=full_env,
                           timeout=timeout)

@@ -14,10 +14,18 @@ import sys
 
 def inspect_runner(worker) -> dict:
     """What the KV-cache and weight-sharing tests check, read in the worker."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
     runner = worker.model_runner
     groups = [list(g.layer_names)
               for g in runner.kv_cache_config.kv_cache_groups]
+    compilation = runner.compilation_config
     info = {
+        "device": str(runner.device),
+        "capture_sizes": compilation.cudagraph_capture_sizes,
+        "compilation_level": int(compilation.level),
+        "use_inductor": compilation.use_inductor,
+        "custom_rms_norm": RMSNorm.enabled(),
+        "async_scheduling": runner.scheduler_config.async_scheduling,
         "kv_cache_groups": groups,
         "num_block_tables": len(runner.input_batch.block_table.block_tables),
         "kv_cache_num_blocks": {
@@ -74,6 +82,11 @@ def main(spec_path: str) -> None:
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         "metrics": metrics,
     }
+    if any(o.outputs[0].logprobs for o in outputs):
+        result["logprobs"] = [[{
+            str(token): lp.logprob
+            for token, lp in position.items()
+        } for position in o.outputs[0].logprobs] for o in outputs]
     if spec.get("inspect"):
         result["inspect"] = llm.collective_rpc(inspect_runner)[0]
     print(json.dumps(result))

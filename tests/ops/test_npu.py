@@ -1,24 +1,33 @@
-"""The torch_npu implementations against the torch references, on an NPU."""
+"""The torch_npu implementations against the torch references.
+
+On an Ascend NPU they run the real kernels; elsewhere the torch_npu
+contract double, which checks each call against the op's documentation
+before it computes.
+"""
 
 import pytest
 import torch
 
-from vllm_ascend import device
+from tests.npu.helpers import REAL_NPU, to_npu, torch_npu_in_process
 from vllm_ascend.ops import activation, layernorm
 from vllm_ascend.ops import rotary_embedding as rope_ops
 from vllm_ascend.ops.moe import experts, routing
 
-npu_available = device.current().is_npu
-pytestmark = pytest.mark.skipif(not npu_available,
-                                reason="needs an Ascend NPU with torch_npu")
+pytestmark = pytest.mark.npu
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_npu_module():
+    with torch_npu_in_process() as module:
+        yield module
+
+
 def rand(*shape, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype).npu()
+    return to_npu(torch.randn(*shape, generator=g).to(dtype))
 
 
 def close(a, b, dtype):
@@ -26,6 +35,8 @@ def close(a, b, dtype):
                                rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.skipif(not REAL_NPU, reason="the process chose the reference "
+                    "ops at import: needs an Ascend NPU")
 def test_npu_path_is_selected():
     assert layernorm.rms_norm is not layernorm.rms_norm_ref
     assert experts.moe_experts is not experts.moe_experts_ref
@@ -55,8 +66,8 @@ def test_partial_rotary(dtype, neox):
     head, rot = 128, 64  # GLM-4.5: head_dim 128, partial_rotary_factor 0.5
     angles = torch.outer(torch.arange(4096, dtype=torch.float64),
                          1e6**(-torch.arange(0, rot, 2) / rot).double())
-    cache = torch.cat((angles.cos(), angles.sin()), -1).float().npu()
-    positions = torch.tensor([0, 3, 100, 4095]).npu()
+    cache = to_npu(torch.cat((angles.cos(), angles.sin()), -1).float())
+    positions = to_npu(torch.tensor([0, 3, 100, 4095]))
     q = rand(4, 8 * head, dtype=dtype)
     k = rand(4, 2 * head, dtype=dtype, seed=1)
     got = rope_ops._rotary_embedding_npu(positions, q, k, cache, head, neox)
@@ -95,7 +106,7 @@ def test_moe_experts(dtype, expert_parallel):
     if expert_parallel:  # this rank holds experts 8..15
         expert_map = torch.full((num_experts, ), -1, dtype=torch.int32)
         expert_map[8:] = torch.arange(8, dtype=torch.int32)
-        expert_map = expert_map.npu()
+        expert_map = to_npu(expert_map)
         w13, w2 = w13[8:], w2[8:]
     got = experts._moe_experts_npu(x, w13, w2, weights, ids,
                                    expert_map=expert_map)

@@ -1,0 +1,118 @@
+"""The torch_npu paged attention against the reference, and the metadata
+the kernels take.
+
+On an Ascend NPU the real kernels run; elsewhere the torch_npu contract
+double, which rejects a call the kernel would (layout, dtypes, cumulative
+query lengths, block size, mask).
+"""
+
+import pytest
+import torch
+
+from tests.npu.helpers import to_npu, torch_npu_in_process
+from vllm_ascend.attention.backend import (AscendAttentionMetadata,
+                                           AscendAttentionMetadataBuilder,
+                                           classify_batch)
+from vllm_ascend.attention.paged_attention import (NpuPagedAttention,
+                                                   ReferencePagedAttention)
+
+BLOCK, KV_HEADS, HEADS, DIM = 128, 2, 8, 128
+
+
+@pytest.fixture(scope="module")
+def npu_ops():
+    with torch_npu_in_process():
+        yield NpuPagedAttention()
+
+
+def _metadata(q_lens, seq_lens, block_tables, slot_mapping):
+    q_lens = torch.tensor(q_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = q_lens.cumsum(0)
+    return AscendAttentionMetadata(
+        num_actual_tokens=int(q_lens.sum()), num_reqs=len(seq_lens),
+        max_query_len=int(q_lens.max()), max_seq_len=int(seq.max()),
+        query_start_loc=to_npu(qsl), query_start_loc_cpu=qsl,
+        seq_lens=to_npu(seq), seq_lens_cpu=seq,
+        block_tables=to_npu(block_tables), slot_mapping=to_npu(slot_mapping),
+        attn_state=classify_batch(q_lens, seq, int(q_lens.max())),
+        seq_lens_list=seq.tolist())
+
+
+@pytest.mark.npu
+@pytest.mark.parametrize("shapes", [
+    [(9, 9), (5, 5)],  # prefill
+    [(1, 7), (1, 200), (1, 1)],  # decode
+    [(3, 140), (6, 6), (1, 5)],  # chunked prefill mixed with decode
+    [(2, 131), (2, 3), (2, 8)],  # 1 + k verification tokens
+])
+def test_npu_kernels_match_reference(npu_ops, shapes):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    num_blocks = 8
+    key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    free = torch.randperm(num_blocks).tolist()
+    block_tables = torch.zeros(len(shapes), 2, dtype=torch.int32)
+    slots = []
+    for i, (q_len, seq_len) in enumerate(shapes):
+        n = -(-seq_len // BLOCK)
+        block_tables[i, :n] = torch.tensor([free.pop() for _ in range(n)])
+        pos = torch.arange(seq_len - q_len, seq_len)
+        slots.append(block_tables[i, pos // BLOCK] * BLOCK + pos % BLOCK)
+    slot_mapping = torch.cat(slots)
+    tokens = slot_mapping.numel()
+    key = torch.randn(tokens, KV_HEADS, DIM).to(dtype)
+    value = torch.randn_like(key)
+    query = torch.randn(tokens, HEADS, DIM).to(dtype)
+    meta = _metadata([s[0] for s in shapes], [s[1] for s in shapes],
+                     block_tables, slot_mapping)
+
+    ref = ReferencePagedAttention()
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv_cache(key, value, ref_k, ref_v, slot_mapping)
+    want = torch.empty_like(query)
+    ref.attention(query, ref_k, ref_v, meta, DIM**-0.5, want)
+
+    npu_k, npu_v = to_npu(key_cache.clone()), to_npu(value_cache.clone())
+    npu_ops.write_kv_cache(to_npu(key), to_npu(value), npu_k, npu_v,
+                           meta.slot_mapping)
+    assert torch.equal(npu_k.cpu(), ref_k) and torch.equal(npu_v.cpu(), ref_v)
+    got = to_npu(torch.empty_like(query))
+    npu_ops.attention(to_npu(query), npu_k, npu_v, meta, DIM**-0.5, got)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2,
+                               atol=2e-2)
+
+
+class _SyncTrap(torch.Tensor):
+    """A device tensor whose host reads (a device-to-host sync) fail."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item,
+                    torch.Tensor.cpu, torch.Tensor.__bool__):
+            raise AssertionError(f"host sync: {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_builder_reads_host_lengths_without_a_device_sync():
+    from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl,
+        seq_lens=seq.clone().as_subclass(_SyncTrap), seq_lens_cpu=seq,
+        num_computed_tokens_cpu=seq - 2, num_reqs=2, num_actual_tokens=4,
+        max_query_len=2, max_seq_len=9,
+        block_table_tensor=torch.zeros(2, 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(4, dtype=torch.int64))
+    builder = AscendAttentionMetadataBuilder.__new__(
+        AscendAttentionMetadataBuilder)
+    builder.num_spec_tokens = 1
+    # The target step and the first draft step: exact host copies.
+    assert builder.build(0, common).seq_lens_list == [5, 9]
+    assert builder.build_for_drafting(common, 0).seq_lens_list == [5, 9]
+    # Draft steps 2..k: only the device lengths are exact (patch 0008).
+    common.seq_lens = torch.tensor([4, 8], dtype=torch.int32)
+    assert builder.build_for_drafting(common, 1).seq_lens_list == [4, 8]

@@ -1,0 +1,261 @@
+"""Each documented limit of the torch_npu double fires.
+
+A call the real op would reject must fail here too, with the op's name in
+the message, or CI would pass code that crashes on an NPU. Every case
+first makes one valid call, then breaks one argument.
+"""
+
+import pytest
+import torch
+
+from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+
+pytestmark = pytest.mark.skipif(
+    REAL_NPU, reason="checks the double; a real NPU has the real contracts")
+
+
+@pytest.fixture(scope="module")
+def tnpu():
+    with torch_npu_in_process() as module:
+        yield module
+
+
+BF16 = torch.bfloat16
+
+
+def _attention_args(head_dim=128, block_size=128, dtype=BF16, q_lens=(3, 1),
+                    kv_lens=(5, 130)):
+    torch.manual_seed(0)
+    heads, kv_heads = 4, 2
+    tokens = sum(q_lens)
+    blocks = 4
+    query = torch.randn(tokens, heads, head_dim).to(dtype)
+    key = torch.randn(blocks, block_size, kv_heads * head_dim).to(dtype)
+    value = torch.randn_like(key)
+    cum, total = [], 0
+    for q in q_lens:
+        total += q
+        cum.append(total)
+    kwargs = dict(
+        atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        input_layout="TND", block_size=block_size, actual_seq_lengths=cum,
+        actual_seq_lengths_kv=list(kv_lens), num_key_value_heads=kv_heads,
+        num_heads=heads, scale=head_dim**-0.5, sparse_mode=3)
+    return (query, key, value), kwargs
+
+
+def _fia(tnpu, args, **changes):
+    pos, kwargs = args
+    return tnpu.npu_fused_infer_attention_score(*pos, **{**kwargs, **changes})
+
+
+def test_attention_valid_call_matches_dense(tnpu):
+    (q, k, v), kwargs = args = _attention_args()
+    out, lse = _fia(tnpu, args)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.numel() == 0
+    # Request 0: 3 query tokens at positions 2..4 of a 5-token context.
+    keys = k.view(4, 128, 2, 128)[0, :5].float().repeat_interleave(2, 1)
+    vals = v.view(4, 128, 2, 128)[0, :5].float().repeat_interleave(2, 1)
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:3].float().transpose(0, 1), keys.transpose(0, 1),
+        vals.transpose(0, 1), attn_mask=mask,
+        scale=kwargs["scale"]).transpose(0, 1)
+    torch.testing.assert_close(out[:3].float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype=torch.float32), "query dtype"),
+    (dict(block_size=16), "block_size=16"),
+    (dict(head_dim=32), "head dim 128 or 192"),
+], ids=["float32-query", "block-size-16", "head-dim-32"])
+def test_attention_documented_limits(tnpu, change, match):
+    with pytest.raises(RuntimeError, match=match):
+        _fia(tnpu, _attention_args(**change))
+
+
+def test_attention_decode_allows_small_blocks(tnpu):
+    # Q_S == 1: block_size only needs 16-alignment.
+    args = _attention_args(block_size=16, q_lens=(1, 1), kv_lens=(5, 30))
+    _fia(tnpu, args)
+
+
+@pytest.mark.parametrize("changes,error,match", [
+    (dict(actual_seq_lengths=torch.tensor([3, 4])), TypeError, "list of ints"),
+    (dict(actual_seq_lengths=[3, 1]), RuntimeError, "cumulative"),
+    (dict(actual_seq_lengths_kv=[5]), RuntimeError, "batch"),
+    (dict(atten_mask=None), RuntimeError, "2048x2048"),
+    (dict(atten_mask=torch.ones(128, 128, dtype=torch.bool)), RuntimeError,
+     "2048x2048"),
+    (dict(block_table=torch.tensor([[0, 1], [2, 3]])), RuntimeError,
+     "int32"),
+    (dict(block_size=256), RuntimeError, "paged key"),
+    (dict(num_heads=8), RuntimeError, "num_heads"),
+    (dict(sparse_mode=1), RuntimeError, "sparse_mode"),
+    (dict(actual_seq_lengths_kv=[2, 130]), RuntimeError, "KV length"),
+    (dict(actual_seq_lengths_kv=[5, 300]), RuntimeError, "fewer blocks"),
+    (dict(input_layout="TNDX"), RuntimeError, "input_layout"),
+    (dict(softmax_scale=1.0), TypeError, "unexpected keyword"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_attention_argument_contracts(tnpu, changes, error, match):
+    with pytest.raises(error, match=match):
+        _fia(tnpu, _attention_args(), **changes)
+
+
+def test_reshape_and_cache(tnpu):
+    key = torch.randn(3, 2, 128).to(BF16)
+    cache = torch.zeros(2, 128, 2, 128, dtype=BF16)
+    vcache = torch.zeros_like(cache)
+    slots = torch.tensor([5, -1, 130], dtype=torch.int32)
+    tnpu._npu_reshape_and_cache(key=key, value=key, key_cache=cache,
+                                value_cache=vcache, slot_indices=slots)
+    assert torch.equal(cache[0, 5], key[0]) and torch.equal(cache[1, 2],
+                                                            key[2])
+    assert int((cache != 0).any(-1).any(-1).sum()) == 2  # slot -1: nothing
+    bad = [
+        (dict(slot_indices=slots.long()), "int32"),
+        (dict(key_cache=cache.float(), value_cache=vcache.float()), "dtype"),
+        (dict(value=key.half()), "same dtype"),
+        (dict(key_cache=cache.flatten(2)), "num_blocks, block_size"),
+        (dict(slot_indices=slots[:2]), "num_tokens"),
+    ]
+    for change, match in bad:
+        call = dict(key=key, value=key, key_cache=cache, value_cache=vcache,
+                    slot_indices=slots, **{})
+        call.update(change)
+        with pytest.raises(RuntimeError, match=match):
+            tnpu._npu_reshape_and_cache(**call)
+
+
+def test_norm_and_activation_contracts(tnpu):
+    x = torch.randn(4, 64).to(BF16)
+    g = torch.ones(64, dtype=BF16)
+    y, rstd = tnpu.npu_rms_norm(x, g, 1e-6)
+    assert rstd.shape == (4, 1) and rstd.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="trailing dims"):
+        tnpu.npu_rms_norm(x, torch.ones(32, dtype=BF16), 1e-6)
+    with pytest.raises(RuntimeError, match="2-8 dims"):
+        tnpu.npu_rms_norm(x[0], g, 1e-6)
+    with pytest.raises(RuntimeError, match="unsupported dtypes"):
+        tnpu.npu_rms_norm(x.float(), g, 1e-6)
+    y, rstd, s = tnpu.npu_add_rms_norm(x, x, g, 1e-6)
+    torch.testing.assert_close(s, x + x)
+    with pytest.raises(RuntimeError, match="gamma must have x1's dtype"):
+        tnpu.npu_add_rms_norm(x, x, g.float(), 1e-6)
+    with pytest.raises(RuntimeError, match="same dtype and shape"):
+        tnpu.npu_add_rms_norm(x, x.half(), g, 1e-6)
+    with pytest.raises(RuntimeError, match="even"):
+        tnpu.npu_swiglu(torch.randn(4, 63), dim=-1)
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        tnpu.npu_swiglu(torch.randn(64, 4).t(), dim=-1)
+
+
+def test_rotary_mul_contracts(tnpu):
+    x = torch.randn(1, 5, 4, 64)
+    cos = torch.randn(1, 5, 1, 64)
+    assert tnpu.npu_rotary_mul(x, cos, cos, rotary_mode="half").shape == \
+        x.shape
+    with pytest.raises(RuntimeError, match="half or interleave"):
+        tnpu.npu_rotary_mul(x, cos, cos, rotary_mode="neox")
+    with pytest.raises(RuntimeError, match="dimension must be 4"):
+        tnpu.npu_rotary_mul(x[0], cos[0], cos[0])
+    with pytest.raises(RuntimeError, match="cannot broadcast"):
+        tnpu.npu_rotary_mul(x, cos.expand(1, 5, 4, 64)[:, :, :2],
+                            cos.expand(1, 5, 4, 64)[:, :, :2])
+    with pytest.raises(RuntimeError, match="D=63"):
+        tnpu.npu_rotary_mul(x[..., :63], cos[..., :63], cos[..., :63])
+
+
+def test_gating_top_k_contracts(tnpu):
+    logits = torch.randn(6, 16)
+    bias = torch.randn(16)
+    ok = dict(k=4, bias=bias, k_group=2, group_count=4, group_select_mode=1,
+              renorm=0, norm_type=1, out_flag=False,
+              routed_scaling_factor=1.0, eps=1e-20)
+    y, ids, _ = tnpu.npu_moe_gating_top_k(logits, **ok)
+    assert ids.dtype == torch.int32 and y.shape == (6, 4)
+    torch.testing.assert_close(y.sum(-1), torch.ones(6))
+    for change, match in [
+        (dict(renorm=1), "renorm"),
+        (dict(group_count=8), "quotient > 2"),
+        (dict(k=9), "k=9"),
+        (dict(k_group=5), "k_group"),
+        (dict(bias=bias.half()), "dtype of x and bias"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_moe_gating_top_k(logits, **{**ok, **change})
+    with pytest.raises(RuntimeError, match="2048"):
+        tnpu.npu_moe_gating_top_k(torch.randn(2, 4096), 4, bias=None,
+                                  group_count=1)
+
+
+def _routing(tnpu, x, ids, **changes):
+    kwargs = dict(active_num=ids.numel(), expert_capacity=-1, expert_num=5,
+                  drop_pad_mode=0, expert_tokens_num_type=1,
+                  expert_tokens_num_flag=True, quant_mode=-1,
+                  active_expert_range=[0, 4], row_idx_type=1)
+    return tnpu.npu_moe_init_routing_v2(x, ids, **{**kwargs, **changes})
+
+
+def test_init_routing_and_grouped_matmul(tnpu):
+    x = torch.randn(3, 8)
+    # Expert 4 lies outside active_expert_range: its rows go last.
+    ids = torch.tensor([[1, 4], [0, 1], [4, 3]], dtype=torch.int32)
+    expanded, src, counts, _ = _routing(tnpu, x, ids)
+    assert counts.tolist() == [1, 2, 0, 1] and counts.dtype == torch.int64
+    assert src[:4].tolist() == [2, 0, 3, 5]  # flat slot t * k + j
+    assert torch.equal(expanded[:4], x[src[:4].long() // 2])
+    assert bool(expanded[4:].isnan().all())  # invalid rows: undefined
+    for change, match in [(dict(expert_tokens_num_type=0), "num_type"),
+                          (dict(active_num=5), "active_num"),
+                          (dict(active_expert_range=[0, 6]), "expert_end")]:
+        with pytest.raises(RuntimeError, match=match):
+            _routing(tnpu, x, ids, **change)
+    with pytest.raises(RuntimeError, match="int32"):
+        _routing(tnpu, x, ids.long())
+
+    w = torch.randn(4, 8, 6)
+    y = tnpu.npu_grouped_matmul([expanded], [w], group_list=counts,
+                                split_item=2, group_type=0,
+                                group_list_type=1)[0]
+    torch.testing.assert_close(y[0], expanded[0] @ w[0])
+    torch.testing.assert_close(y[3], expanded[3] @ w[3])
+    # Rows past sum(group_list) are not computed: an EP caller that adds
+    # them up (even times a zero weight) gets NaN.
+    assert bool(y[4:].isnan().all())
+    gm = dict(group_list=counts, split_item=2, group_type=0,
+              group_list_type=1)
+    for change, match in [(dict(group_type=None), "group_type"),
+                          (dict(group_list=counts.int()), "int64"),
+                          (dict(group_list=counts[:1], ), "length"),
+                          (dict(group_list=counts + 3), "covers"),
+                          (dict(split_item=7), "split_item")]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_grouped_matmul([expanded], [w], **{**gm, **change})
+    with pytest.raises(RuntimeError, match="cannot have length 1"):
+        tnpu.npu_grouped_matmul([expanded], [w[:1]], **{
+            **gm, "group_list": counts[:1]})
+
+
+def test_runtime_contracts(tnpu):
+    torch.npu.set_device(0)
+    torch.npu.set_device("npu:1")
+    torch.npu.set_device(torch.device("npu", 0))
+    with pytest.raises(ValueError, match="expected a npu device"):
+        torch.npu.set_device(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.npu.set_device(99)
+    free, total = torch.npu.mem_get_info()
+    assert 0 < free <= total == torch.npu.get_device_properties(
+        0).total_memory
+    stream = torch.npu.Stream()
+    event = torch.npu.Event()
+    with torch.npu.stream(stream):
+        event.record()
+        assert torch.npu.current_stream() is stream
+    assert torch.npu.current_stream() is not stream
+    with pytest.raises(TypeError, match="torch.npu.Stream"):
+        event.record(object())
+    with pytest.raises(TypeError, match="unexpected"):
+        torch.npu.Event(enable_timing=False, device=0)

@@ -1,0 +1,126 @@
+"""GLM-4.5 through the plugin's NPU code paths (the torch_npu double here).
+
+The engines take every NPU branch: platform configuration (graph mode by
+default, capture sizes, bfloat16), the worker's memory profiling and KV
+sizing, the runner's streams, the fused attention, the MoE kernels with and
+without expert parallelism, and the hccl backend. Outputs are compared with
+the CPU reference device in the same dtype (bfloat16: the NPU kernels take
+no float32), and MTP outputs with the outputs without MTP.
+"""
+
+import random
+
+import pytest
+
+from tests.e2e.checkpoints import write_random_glm45
+from tests.e2e.dp_engine import run_dp_engine
+from tests.e2e.engine import run_engine
+from tests.npu.helpers import NPU_ENV, assert_equal_up_to_near_tie
+
+pytestmark = pytest.mark.npu
+
+MAX_NEW = 16
+MAX_MODEL_LEN = 256
+# The report's capture sizes; GLM-4.5's head_dim (the fused attention's TND
+# layout takes 128 or 192).
+CAPTURE_SIZES = [1, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = write_random_glm45(tmp_path_factory.mktemp("glm45-h128"),
+                              head_dim=128, seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randrange(1, 40))]
+               for _ in range(7)]
+    prompts.append([rng.randrange(1, 256) for _ in range(300 - 58)])
+    engine = dict(model=str(path), skip_tokenizer_init=True,
+                  max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
+                  kv_cache_memory_bytes=64 << 20,
+                  compilation_config={"cudagraph_capture_sizes":
+                                      CAPTURE_SIZES})
+    sampling = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    reference = run_engine(dict(engine, dtype="bfloat16"), prompts,
+                           dict(sampling, logprobs=2))
+    return engine, prompts, sampling, reference
+
+
+def _npu(setup, inspect=False, env=None, **changes):
+    engine, prompts, sampling, _ = setup
+    return run_engine(dict(engine, **changes), prompts, sampling,
+                      env={**NPU_ENV, **(env or {})}, inspect=inspect)
+
+
+@pytest.fixture(scope="module")
+def graph_mode_run(setup):
+    return _npu(setup, inspect=True)
+
+
+def _check_reference(got, setup):
+    ref = setup[3]
+    assert_equal_up_to_near_tie(got["outputs"], ref["outputs"],
+                                ref["logprobs"])
+
+
+def test_npu_paths_equal_reference_device(setup, graph_mode_run):
+    _check_reference(graph_mode_run, setup)
+    info = graph_mode_run["inspect"]
+    # The NPU configuration path: vLLM's capture sizes, custom ops on
+    # (inductor off), eager until graph capture exists.
+    assert info["capture_sizes"] == sorted(CAPTURE_SIZES, reverse=True)
+    assert info["use_inductor"] is False and info["custom_rms_norm"] is True
+    assert info["compilation_level"] == 0
+    assert info["device"] == "cpu"  # the double's tensors
+
+
+def test_enforce_eager_equals_graph_mode_default(setup, graph_mode_run):
+    got = _npu(setup, enforce_eager=True)
+    assert got["outputs"] == graph_mode_run["outputs"]
+
+
+def test_async_scheduling_on_npu(setup, graph_mode_run):
+    # vLLM runs async scheduling with an engine-core process only.
+    got = _npu(setup, inspect=True, async_scheduling=True,
+               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    assert got["inspect"]["async_scheduling"] is True
+    assert got["outputs"] == graph_mode_run["outputs"]
+
+
+@pytest.mark.parametrize("k,mode", [
+    (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48)),
+    (2, dict(num_gpu_blocks_override=6)),
+    (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
+             num_gpu_blocks_override=6)),
+], ids=["k1-chunked", "k2-preempted", "k3-chunked-preempted"])
+def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
+    spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k)
+    got = _npu(setup, inspect=True, speculative_config=spec, **mode)
+    assert got["outputs"] == graph_mode_run["outputs"]
+    metrics = got["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
+    if "num_gpu_blocks_override" in mode:
+        assert metrics["vllm:num_preemptions"] > 0, metrics
+    # Capture sizes rounded to multiples of 1 + k.
+    assert all(s % (1 + k) == 0 for s in got["inspect"]["capture_sizes"])
+    assert got["inspect"]["draft_embed_ptr"] == got["inspect"][
+        "target_embed_ptr"]
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False],
+                         ids=["ep", "tp-moe"])
+def test_dp2_mtp_equals_reference_dp2(setup, expert_parallel):
+    engine, prompts, sampling, _ = setup
+    engine = dict(engine, enable_expert_parallel=expert_parallel,
+                  speculative_config=dict(method="glm4_moe_mtp",
+                                          num_speculative_tokens=1))
+    per_rank = [prompts[:3], prompts[3:4]]
+    npu = run_dp_engine(engine, per_rank, [sampling] * 2, env=NPU_ENV,
+                        timeout=240)
+    ref = run_dp_engine(dict(engine, dtype="bfloat16"), per_rank,
+                        [dict(sampling, logprobs=2)] * 2, timeout=240)
+    for got, want in zip(npu, ref):
+        assert_equal_up_to_near_tie(got["outputs"], want["outputs"],
+                                    want["logprobs"])
+        assert got["metrics"]["vllm:spec_decode_num_drafts"] > 0
