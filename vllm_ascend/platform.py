@@ -35,8 +35,9 @@ NPU_HEAD_SIZES = (128, 192)
 
 class AscendPlatform(Platform):
     _enum = PlatformEnum.OOT
-    device_name: str = _choice.device_type
-    # The type of the tensors' device: "cpu" under the torch_npu double.
+    # The type of the tensors' device ("cpu" under the torch_npu double):
+    # vLLM builds torch devices from both names.
+    device_name: str = _choice.torch_device_type
     device_type: str = _choice.torch_device_type
     dispatch_key: str = ("PrivateUse1" if _choice.torch_device_type == "npu"
                          else "CPU")

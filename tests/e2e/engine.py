@@ -31,7 +31,9 @@ def run_engine(engine: dict, prompts: list[list[int]], sampling,
     os.unlink(spec.name)
     if proc.returncode != 0:
         raise AssertionError(f"engine failed:\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # The last JSON line: a worker process may log after it.
+    return json.loads(next(line for line in reversed(
+        proc.stdout.strip().splitlines()) if line.startswith("{")))
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]],

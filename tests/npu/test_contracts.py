@@ -241,7 +241,7 @@ def test_init_routing_and_grouped_matmul(tnpu):
 def test_runtime_contracts(tnpu):
     torch.npu.set_device(0)
     torch.npu.set_device("npu:1")
-    torch.npu.set_device(torch.device("npu", 0))
+    torch.npu.set_device("npu")
     with pytest.raises(ValueError, match="expected a npu device"):
         torch.npu.set_device(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="invalid device ordinal"):

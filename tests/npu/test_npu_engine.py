@@ -31,9 +31,11 @@ def setup(tmp_path_factory):
     path = write_random_glm45(tmp_path_factory.mktemp("glm45-h128"),
                               head_dim=128, seed=1)
     rng = random.Random(5)
-    prompts = [[rng.randrange(1, 256) for _ in range(rng.randrange(1, 40))]
-               for _ in range(7)]
-    prompts.append([rng.randrange(1, 256) for _ in range(300 - 58)])
+    # Short prompts, two that cross a 128-token block while decoding (with
+    # a small KV pool they preempt each other), one that reaches
+    # max_model_len.
+    lengths = [rng.randrange(1, 40) for _ in range(5)] + [120, 122, 242]
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in lengths]
     engine = dict(model=str(path), skip_tokenizer_init=True,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
                   kv_cache_memory_bytes=64 << 20,
@@ -89,9 +91,9 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
 
 @pytest.mark.parametrize("k,mode", [
     (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48)),
-    (2, dict(num_gpu_blocks_override=6)),
+    (2, dict(num_gpu_blocks_override=3)),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
-             num_gpu_blocks_override=6)),
+             num_gpu_blocks_override=3)),
 ], ids=["k1-chunked", "k2-preempted", "k3-chunked-preempted"])
 def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
     spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k)

@@ -1,9 +1,11 @@
 """torch_npu, as a contract double on CPU tensors (test-only).
 
-Importing it does what importing torch_npu does: ``torch.npu`` appears, the
-PrivateUse1 backend is named ``npu`` and the ``hccl`` process-group backend
-is registered (here gloo underneath). The ops are in ``_ops``.
+Importing it does what importing torch_npu does: ``torch.npu`` appears and
+the ``hccl`` process-group backend is registered (here gloo underneath).
+The ops are in ``_ops``.
 """
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,12 +23,12 @@ npu = _npu_module
 
 
 def _register() -> None:
-    try:
-        torch.utils.rename_privateuse1_backend("npu")
-    except RuntimeError:
-        pass  # already named (a second import in this process)
+    # The real torch_npu also names the PrivateUse1 backend "npu"; the
+    # double does not: its tensors are CPU tensors, and with a named
+    # backend torch.distributed would take it for the accelerator.
     if not hasattr(torch, "npu"):
-        torch._register_device_module("npu", _npu_module)
+        torch.npu = _npu_module
+        sys.modules["torch.npu"] = _npu_module
     if "hccl" not in dist.Backend.backend_list:
 
         def _hccl_as_gloo(store, rank, size, timeout):

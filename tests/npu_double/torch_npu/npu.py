@@ -85,9 +85,13 @@ def _index(device: Union[None, int, str, torch.device], api: str) -> int:
     npu torch.device; anything else is a ValueError."""
     if device is None:
         return state.current_device
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
+    if isinstance(device, str):  # "npu" or "npu:N"
+        kind, _, number = device.partition(":")
+        if kind != "npu" or (number and not number.isdigit()):
+            raise ValueError(f"{api}: expected a npu device, but got: "
+                             f"{device}")
+        index = int(number) if number else state.current_device
+    elif isinstance(device, torch.device):
         if device.type != "npu":
             raise ValueError(f"{api}: expected a npu device, but got: "
                              f"{device}")
