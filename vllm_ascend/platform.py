@@ -82,8 +82,11 @@ class AscendPlatform(Platform):
 
     @classmethod
     def set_device(cls, device_: torch.device) -> None:
-        if _choice.is_npu:
-            torch.npu.set_device(device_)
+        # AscendWorker.init_device selects the rank's NPU itself
+        # (torch.npu.set_device(local_rank)): vLLM calls this only from the
+        # GPU worker's init_device and dual-batch overlap, neither of which
+        # runs with this platform.
+        pass
 
     @classmethod
     def inference_mode(cls):

@@ -16,6 +16,8 @@ import pytest
 from demo_serve import MTP_CONFIG, free_port, serve_args, vllm_executable
 from safetensors.torch import load_file, save_file
 
+from tests.npu.helpers import NPU_ENV
+
 TIMEOUT = 240
 # Past this line in the output the engine core is being started: the
 # configuration was accepted, so a config-time check did not fire.
@@ -62,7 +64,21 @@ def _cases(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], dict]]:
             out += ["--speculative-config", json.dumps(spec)]
         return out
 
+    head_128 = _variant(model_dir, tmp / "head-128")
+    config["num_nextn_predict_layers"] = 1
+    config["head_dim"] = 128
+    (head_128 / "config.json").write_text(json.dumps(config))
+
+    def npu_args(model: Path, *extra: str) -> list[str]:
+        out = args(model, MTP_CONFIG)
+        out[out.index("--dtype") + 1] = "bfloat16"
+        return out + list(extra)
+
+    float32 = args(model_dir, MTP_CONFIG)
     return {
+        "npu_float32": (float32, NPU_ENV),
+        "npu_head_dim": (npu_args(model_dir), NPU_ENV),
+        "npu_block_size": (npu_args(head_128, "--block-size", "16"), NPU_ENV),
         "unknown_device": (args(model_dir, None),
                            {"VLLM_ASCEND_DEVICE": "gpu"}),
         "mtp_without_mtp_layers": (args(no_mtp, MTP_CONFIG), cpu),
@@ -145,8 +161,27 @@ def test_missing_expert_tensor(outcomes):
                        f"requires: {MISSING}")
 
 
-@pytest.mark.parametrize("case", ["unknown_device", "mtp_without_mtp_layers",
-                                  "zero_speculative_tokens"])
+def test_npu_limits_fail_at_startup(outcomes):
+    # What the fused attention cannot run, in one line, with what to use.
+    _assert_fails_with(
+        outcomes["npu_float32"],
+        "dtype torch.float32 is not supported on the Ascend NPU (the fused "
+        "attention takes float16 or bfloat16): use --dtype bfloat16")
+    _assert_fails_with(
+        outcomes["npu_head_dim"],
+        "head_dim 32 is not supported on the Ascend NPU: the fused attention "
+        "(TND layout) takes head_dim 128 or 192.")
+    _assert_fails_with(
+        outcomes["npu_block_size"],
+        "--block-size 16 is not supported on the Ascend NPU (the fused "
+        "attention needs a multiple of 128 in [128, 512]): use --block-size "
+        "128.")
+
+
+@pytest.mark.parametrize("case", [
+    "unknown_device", "mtp_without_mtp_layers", "zero_speculative_tokens",
+    "npu_float32", "npu_head_dim", "npu_block_size"
+])
 def test_config_error_has_no_traceback(outcomes, case):
     code, output = outcomes[case]
     assert code == 1

@@ -11,7 +11,6 @@ plugin's own references; what the documentation leaves undefined (rows
 past the valid ones) is filled with NaN, so a caller that reads it sees it.
 """
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

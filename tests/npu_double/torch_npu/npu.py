@@ -69,6 +69,7 @@ class _State:
 state = _State()
 
 
+@traced("torch.npu.device_count")
 def device_count() -> int:
     visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
     if visible is not None:

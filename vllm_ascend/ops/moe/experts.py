@@ -118,22 +118,25 @@ def _moe_experts_npu(
         quant_mode=-1,
         active_expert_range=[0, num_local],
         row_idx_type=1)
+    # Cumulative group ends (group_list_type=0): a count list may not have
+    # length 1, which a rank holding one expert would pass.
+    group_ends = counts.cumsum(0)
     gate_up = torch_npu.npu_grouped_matmul([permuted], [w13.transpose(1, 2)],
-                                           group_list=counts,
+                                           group_list=group_ends,
                                            split_item=2,
                                            group_type=0,
-                                           group_list_type=1)[0]
+                                           group_list_type=0)[0]
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
     y = torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
-                                     group_list=counts,
+                                     group_list=group_ends,
                                      split_item=2,
                                      group_type=0,
-                                     group_list_type=1)[0]
+                                     group_list_type=0)[0]
     # Rows past sum(group_list) (the tokens of other ranks' experts) are
     # left undefined by npu_grouped_matmul: they may hold Inf or NaN, which
     # a zero weight does not cancel. Select them away before the sum.
     rows = torch.arange(y.shape[0], device=y.device)
-    valid = rows < counts.sum()
+    valid = rows < group_ends[-1]
     slot = torch.where(valid, src_slot.long(), torch.zeros_like(rows))
     weight = topk_weights.flatten().float()[slot]
     contrib = torch.where(valid.unsqueeze(1), y.float() * weight.unsqueeze(1),

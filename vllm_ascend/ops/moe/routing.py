@@ -97,12 +97,16 @@ def _npu_gating_applies(num_experts: int, renormalize: bool,
     """Where ``npu_moe_gating_top_k`` computes exactly the contract above.
 
     The kernel always normalizes the chosen weights and needs more than 2
-    experts per group and at most 2048 experts.
+    experts per group, at most 2048 experts, and at most 2048 once each
+    group's count is rounded up to a multiple of 32.
     """
     groups = num_expert_group if use_grouped_topk else 1
-    return (scoring_func == "sigmoid" and renormalize and groups is not None
-            and num_experts <= 2048 and num_experts % groups == 0
-            and num_experts // groups > 2)
+    if groups is None or groups < 1 or num_experts % groups:
+        return False
+    per_group = num_experts // groups
+    return (scoring_func == "sigmoid" and renormalize
+            and num_experts <= 2048 and per_group > 2
+            and -(-per_group // 32) * 32 * groups <= 2048)
 
 
 def _select_experts_npu(

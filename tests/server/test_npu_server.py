@@ -1,0 +1,132 @@
+"""The original report's ``vllm serve`` command on the NPU code paths.
+
+Every flag of the report except ``--quantization ascend`` (W8A8 is its own
+issue), with DP and TP 1 and this host's limits (``--max-model-len`` within
+the checkpoint's positions), graph mode by default and with
+``--enforce-eager``: the server starts, answers completions and chat, and
+with MTP k = 1 its greedy answers equal those without MTP, which equal the
+offline engine on the same code path.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from demo_serve import ServeProcess, free_port
+
+from tests.e2e.checkpoints import write_random_glm45
+from tests.e2e.engine import run_engine
+from tests.npu.helpers import NPU_ENV
+
+pytestmark = pytest.mark.npu
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+MAX_MODEL_LEN = 1024
+NAME = "dsv3"
+PROMPTS = ["the quiet green frog", "one two three four five six"]
+STARTUP_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A random GLM-4.5 with GLM-4.5's head_dim and the fixture's
+    tokenizer (its vocabulary size)."""
+    path = write_random_glm45(tmp_path_factory.mktemp("glm45-serve"),
+                              seed=2, head_dim=128, vocab_size=640,
+                              max_position_embeddings=MAX_MODEL_LEN)
+    for name in TOKENIZER_FILES:
+        shutil.copy(FIXTURE / name, path / name)
+    return path
+
+
+def original_command(model: Path, port: int, mtp: bool,
+                     eager: bool) -> list[str]:
+    args = [
+        "serve", f"{model}/", "--host", "127.0.0.1", "--port", str(port),
+        "--seed", "1024", "--served-model-name", NAME,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens", "16384", "--max-num-seqs", "32",
+        "--no-enable-prefix-caching", "--trust-remote-code",
+        "--enable-expert-parallel", "--gpu-memory-utilization", "0.9",
+        "--additional-config", json.dumps({
+            "ascend_scheduler_config": {
+                "enabled": True,
+                "enable_chunked_prefill": True
+            }
+        }),
+        "--compilation-config",
+        json.dumps({"cudagraph_capture_sizes": [1, 4, 8, 16, 32, 48, 64]}),
+        "--disable-uvicorn-access-log",
+    ]
+    if mtp:
+        args += ["--speculative-config", json.dumps({
+            "num_speculative_tokens": 1, "model": str(model),
+            "method": "glm4_moe_mtp"})]
+    if eager:
+        args.append("--enforce-eager")
+    return args
+
+
+def _serve_and_ask(checkpoint: Path, mtp: bool, eager: bool) -> dict:
+    port = free_port()
+    server = ServeProcess(original_command(checkpoint, port, mtp, eager),
+                          port, env=NPU_ENV)
+    try:
+        server.wait_healthy(STARTUP_TIMEOUT)
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            completion = client.post("/v1/completions", json={
+                "model": NAME, "prompt": PROMPTS, "temperature": 0,
+                "max_tokens": 16, "ignore_eos": True})
+            assert completion.status_code == 200, completion.text
+            chat = client.post("/v1/chat/completions", json={
+                "model": NAME, "temperature": 0, "max_tokens": 12,
+                "messages": [{"role": "user", "content": PROMPTS[0]}]})
+            assert chat.status_code == 200, chat.text
+            metrics = client.get("/metrics").text
+        log = server.log_tail(200_000)
+    finally:
+        server.stop()
+    choices = sorted(completion.json()["choices"], key=lambda c: c["index"])
+    return {
+        "texts": [c["text"] for c in choices],
+        "chat": chat.json()["choices"][0]["message"]["content"],
+        "drafts": sum(
+            float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode_num_drafts_total")),
+        "log": log,
+    }
+
+
+@pytest.fixture(scope="module")
+def no_mtp(checkpoint):
+    return _serve_and_ask(checkpoint, mtp=False, eager=False)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph-mode", "eager"])
+def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp,
+                                                   eager):
+    got = _serve_and_ask(checkpoint, mtp=True, eager=eager)
+    assert got["drafts"] > 0
+    assert got["texts"] == no_mtp["texts"]
+    assert got["chat"] == no_mtp["chat"]
+    assert "vllm_ascend runs on npu" in got["log"]
+    if not eager:
+        # Graph mode by default, with the report's capture sizes (1 + k).
+        assert "does not capture graphs yet" in got["log"]
+        assert "capturing [64, 48, 32, 16, 8, 4, 2]" in got["log"]
+
+
+def test_served_answers_equal_offline_engine(checkpoint, no_mtp):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    offline = run_engine(
+        dict(model=str(checkpoint), skip_tokenizer_init=True, seed=1024,
+             max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20),
+        prompts, dict(temperature=0, max_tokens=16, ignore_eos=True),
+        env=NPU_ENV)["outputs"]
+    assert [tokenizer.decode(ids) for ids in offline] == no_mtp["texts"]
