@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,9 @@ def pytest_configure(config):
     # Every process the tests start (engine cores, DP ranks, servers)
     # records which plugin call sites reached the torch_npu double.
     if "VLLM_ASCEND_NPU_DOUBLE_TRACE" not in os.environ:
-        trace = Path(config.rootpath, ".pytest_cache", "npu_call_sites.txt")
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        trace.write_text("")
-        os.environ["VLLM_ASCEND_NPU_DOUBLE_TRACE"] = str(trace)
+        fd, trace = tempfile.mkstemp(prefix="npu-call-sites-", suffix=".txt")
+        os.close(fd)
+        os.environ["VLLM_ASCEND_NPU_DOUBLE_TRACE"] = trace
 
 
 def pytest_collection_modifyitems(config, items):

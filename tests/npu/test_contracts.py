@@ -96,6 +96,9 @@ def test_attention_decode_allows_small_blocks(tnpu):
     (dict(actual_seq_lengths_kv=[2, 130]), RuntimeError, "KV length"),
     (dict(actual_seq_lengths_kv=[5, 300]), RuntimeError, "fewer blocks"),
     (dict(input_layout="TNDX"), RuntimeError, "input_layout"),
+    (dict(atten_mask=torch.ones(2048, 2048).triu(1)), RuntimeError,
+     "bool/int8/uint8"),
+    (dict(num_key_value_heads=3), RuntimeError, "multiple of"),
     (dict(softmax_scale=1.0), TypeError, "unexpected keyword"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_attention_argument_contracts(tnpu, changes, error, match):

@@ -57,3 +57,12 @@ def test_every_npu_call_site_was_reached(request):
     missing = sorted(plugin_call_sites() - reached)
     assert not missing, ("NPU call sites no test reached:\n" +
                          "\n".join(missing))
+
+
+def test_production_never_imports_the_double():
+    for path in sorted(PLUGIN.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [
+                    getattr(node, "module", None) or ""]
+                assert not any(n.startswith("tests") for n in names), path

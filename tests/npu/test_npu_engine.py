@@ -75,11 +75,6 @@ def test_npu_paths_equal_reference_device(setup, graph_mode_run):
     assert info["device"] == "cpu"  # the double's tensors
 
 
-def test_enforce_eager_equals_graph_mode_default(setup, graph_mode_run):
-    got = _npu(setup, enforce_eager=True)
-    assert got["outputs"] == graph_mode_run["outputs"]
-
-
 def test_async_scheduling_on_npu(setup, graph_mode_run):
     # vLLM runs async scheduling with an engine-core process only.
     got = _npu(setup, inspect=True, async_scheduling=True,
