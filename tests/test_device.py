@@ -39,3 +39,25 @@ def test_npu_with_devices_uses_hccl():
     with mock.patch.object(device, "_npu_device_count", return_value=8):
         choice = device.choose("auto", torch_npu_installed=True)
     assert (choice.device_type, choice.dist_backend) == ("npu", "hccl")
+
+
+def test_npu_double_takes_npu_paths_on_cpu_tensors(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_NPU_DOUBLE", "1")
+    with mock.patch.object(device, "_npu_device_count", return_value=8):
+        choice = device.choose("npu", torch_npu_installed=True)
+    assert (choice.device_type, choice.dist_backend) == ("npu", "hccl")
+    assert choice.is_npu and choice.torch_device_type == "cpu"
+
+
+def test_npu_double_switch_refuses_the_real_torch_npu(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_NPU_DOUBLE", "1")
+    real = mock.MagicMock(CONTRACT_DOUBLE=False, __file__="/site/torch_npu")
+    with mock.patch.dict("sys.modules", {"torch_npu": real}):
+        with pytest.raises(RuntimeError, match="is not the contract double"):
+            device.choose("npu", torch_npu_installed=True)
+
+
+def test_real_npu_tensors_live_on_the_npu():
+    with mock.patch.object(device, "_npu_device_count", return_value=8):
+        choice = device.choose("auto", torch_npu_installed=True)
+    assert choice.torch_device_type == "npu"
