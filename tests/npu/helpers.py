@@ -14,8 +14,7 @@ import torch
 
 from vllm_ascend import device
 
-REAL_NPU = device.current().is_npu and device.current(
-).torch_device_type == "npu"
+REAL_NPU = device.current().torch_device_type == "npu"
 # The environment of an engine process that takes the NPU code paths.
 NPU_ENV = ({"VLLM_ASCEND_DEVICE": "npu"} if REAL_NPU else {
     "VLLM_ASCEND_DEVICE": "npu",
