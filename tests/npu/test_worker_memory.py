@@ -37,13 +37,18 @@ def npu_memory(monkeypatch):
         yield tnpu, state, torch_bytes
 
 
-def test_kv_cache_leaves_room_for_memory_outside_torch(npu_memory):
-    tnpu, state, torch_bytes = npu_memory
+def _worker_at_start(utilization: float) -> SimpleNamespace:
+    """What AscendWorker.init_device records, for _npu_kv_cache_bytes."""
     free, total = torch.npu.mem_get_info()
-    worker = SimpleNamespace(
-        cache_config=SimpleNamespace(gpu_memory_utilization=0.5),
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(gpu_memory_utilization=utilization),
         init_free_memory=free,
         init_non_torch_memory=_non_torch_memory(free, total))
+
+
+def test_kv_cache_leaves_room_for_memory_outside_torch(npu_memory):
+    tnpu, state, torch_bytes = npu_memory
+    worker = _worker_at_start(0.5)
     # Weights and the profile run: a 1 GiB torch peak; the first kernel
     # launch allocates the workspace outside torch.
     torch.npu.reset_peak_memory_stats()
@@ -59,11 +64,7 @@ def test_kv_cache_leaves_room_for_memory_outside_torch(npu_memory):
 
 def test_kv_cache_error_when_nothing_is_left(npu_memory):
     _, state, torch_bytes = npu_memory
-    free, total = torch.npu.mem_get_info()
-    worker = SimpleNamespace(
-        cache_config=SimpleNamespace(gpu_memory_utilization=0.1),
-        init_free_memory=free,
-        init_non_torch_memory=_non_torch_memory(free, total))
+    worker = _worker_at_start(0.1)
     torch_bytes["now"] = GiB
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
         AscendWorker._npu_kv_cache_bytes(worker)
