@@ -1,5 +1,6 @@
 """The patch series tool: stable export, and a check that catches bad patches."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,72 @@ def test_check_fails_on_bad_metadata(tmp_path, what, mutate):
     proc = _check(_copy_series(tmp_path, lambda _, text: mutate(text)))
     assert proc.returncode != 0
     assert what in proc.stdout + proc.stderr
+
+
+PLACEHOLDER = "vllm-ascend developer <dev@vllm-ascend.invalid>"
+
+
+@pytest.mark.parametrize("line", ["Signed-off-by", "From"])
+def test_check_fails_on_a_placeholder_identity(tmp_path, line):
+    def mutate(_, text):
+        return re.sub(rf"^{line}: .*(\n .*)?$", f"{line}: {PLACEHOLDER}",
+                      text, count=1, flags=re.M)
+
+    proc = _check(_copy_series(tmp_path, mutate))
+    assert proc.returncode != 0
+    assert "placeholder identity" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("ident,placeholder", [
+    (PLACEHOLDER, True),
+    ("A Person <a@example.com>", True),
+    ("No Email <>", True),
+    (" <someone@huawei.com>", True),
+    ("Jane Doe <jane@huawei.com>", False),
+])
+def test_placeholder_identities(ident, placeholder):
+    assert vllm_tree.placeholder_identity(ident) is placeholder
+
+
+def _repo(tmp_path, monkeypatch, name=None, email=None) -> Path:
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "no-global"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for key, value in (("user.name", name), ("user.email", email)):
+        if value is not None:
+            subprocess.run(["git", "-C", str(repo), "config", key, value],
+                           check=True)
+    return repo
+
+
+def test_export_refuses_without_an_identity(tmp_path, monkeypatch):
+    repo = _repo(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit, match="your own git identity"):
+        vllm_tree.exporter_identity(repo)
+
+
+def test_export_refuses_a_placeholder_identity(tmp_path, monkeypatch):
+    repo = _repo(tmp_path, monkeypatch, "vllm-ascend developer",
+                 "dev@vllm-ascend.invalid")
+    with pytest.raises(SystemExit, match="your own git identity"):
+        vllm_tree.exporter_identity(repo)
+
+
+def test_export_signs_off_with_the_exporter(tmp_path, monkeypatch):
+    repo = _repo(tmp_path, monkeypatch, "Jane Doe", "jane@huawei.com")
+    assert vllm_tree.exporter_identity(repo) == "Jane Doe <jane@huawei.com>"
+    env = {"GIT_AUTHOR_DATE": "2026-01-01T00:00:00", "GIT_COMMITTER_DATE":
+           "2026-01-01T00:00:00"}
+    vllm_tree.git("commit", "-q", "--allow-empty", "-m", "base", cwd=repo,
+                  env=env)
+    vllm_tree.git("tag", vllm_tree.BASE_TAG, cwd=repo)
+    (repo / "a.py").write_text("a = 1\n")
+    vllm_tree.git("add", "a.py", cwd=repo)
+    vllm_tree.git("commit", "-q", "-m", "[Tag] a\n\nWhy.", cwd=repo, env=env)
+    vllm_tree.sign_off_series("Jane Doe <jane@huawei.com>", tree=repo)
+    body = vllm_tree.git("log", "-1", "--format=%B", cwd=repo)
+    assert "Signed-off-by: Jane Doe <jane@huawei.com>" in body
+    head = vllm_tree.git("rev-parse", "HEAD", cwd=repo)
+    vllm_tree.sign_off_series("Jane Doe <jane@huawei.com>", tree=repo)
+    assert vllm_tree.git("rev-parse", "HEAD", cwd=repo) == head  # idempotent

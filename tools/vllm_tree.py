@@ -85,10 +85,9 @@ def init_pristine(dest: Path, sdist: Path) -> None:
             if member.name:
                 tar.extract(member, dest, filter="data")
     git("init", "-q", "-b", "main", cwd=dest)
-    for key, value in (("user.name", "vllm-ascend developer"),
-                       ("user.email", "dev@vllm-ascend.invalid"),
-                       ("core.autocrlf", "false")):
-        git("config", key, value, cwd=dest)
+    # Commits made in the tree carry the developer's own identity (git's
+    # global config), never one set here.
+    git("config", "core.autocrlf", "false", cwd=dest)
     git("add", "-A", "-f", ".", cwd=dest)
     git("commit", "-q", "--no-verify", "-m",
         f"vLLM {BASE_TAG} (pristine source distribution)", cwd=dest,
@@ -96,11 +95,45 @@ def init_pristine(dest: Path, sdist: Path) -> None:
     git("tag", BASE_TAG, cwd=dest)
 
 
+# Committer of applied patches where git has no identity configured (a
+# fresh CI machine): committers are not part of an exported patch.
+APPLY_ENV = {"GIT_COMMITTER_NAME": "vllm-ascend series",
+             "GIT_COMMITTER_EMAIL": "series@vllm-ascend.invalid"}
+# Identities that are nobody's: reserved domains (RFC 2606/6761) and the
+# series' former stand-in.
+PLACEHOLDER_EMAIL_RE = re.compile(
+    r"(\.invalid|\.localhost|\.test|@example\.(com|org|net)|"
+    r"@localhost(\.localdomain)?)>?$", re.I)
+
+
+def placeholder_identity(ident: str) -> bool:
+    """``ident`` is ``Name <email>``."""
+    match = re.fullmatch(r"\s*(.*?)\s*<([^>]*)>\s*", ident)
+    return (match is None or not match.group(1) or not match.group(2)
+            or bool(PLACEHOLDER_EMAIL_RE.search(match.group(2))))
+
+
+def exporter_identity(cwd: Path = TREE) -> str:
+    """The exporter's ``Name <email>`` from git's configuration, or a clear
+    error: patches are signed off by a person."""
+    name = git("config", "user.name", cwd=cwd, check=False).strip()
+    email = git("config", "user.email", cwd=cwd, check=False).strip()
+    ident = f"{name} <{email}>"
+    if not name or not email or placeholder_identity(ident):
+        raise SystemExit(
+            f"export needs your own git identity to sign off the patches, "
+            f"not {ident!r}: git config --global user.name 'Your Name'; "
+            "git config --global user.email you@your.org")
+    return ident
+
+
 def am_series(tree: Path, patches: list[Path]) -> None:
+    configured = git("config", "user.email", cwd=tree, check=False).strip()
+    env = dict(os.environ, **({} if configured else APPLY_ENV))
     for patch in patches:
         proc = subprocess.run(
             ["git", "am", "-q", "-k", "--keep-cr", "--committer-date-is-author-date",
-             str(patch)], cwd=tree, capture_output=True, text=True)
+             str(patch)], cwd=tree, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             subprocess.run(["git", "am", "--abort"], cwd=tree,
                            capture_output=True)
@@ -148,10 +181,23 @@ def export_to(out_dir: Path, tree: Path = TREE) -> list[Path]:
     return [Path(n) for n in names]
 
 
+def sign_off_series(ident: str, tree: Path = TREE) -> None:
+    """Add ``Signed-off-by: ident`` to every commit of the series that
+    lacks it (one rebase over the series, nothing else changes)."""
+    trailer = f"Signed-off-by: {ident}"
+    bodies = git("log", "--format=%B%x00", f"{BASE_TAG}..HEAD",
+                 cwd=tree).split("\0")
+    if all(trailer in body for body in bodies if body.strip()):
+        return
+    git("rebase", "-q", BASE_TAG, "--exec",
+        "git commit -q --amend --no-edit --no-verify --signoff", cwd=tree)
+
+
 def cmd_export(_: argparse.Namespace) -> None:
     if git("status", "--porcelain"):
         raise SystemExit(f"{TREE} has uncommitted changes: commit them there "
                          "first (one commit per patch)")
+    sign_off_series(exporter_identity())
     with tempfile.TemporaryDirectory() as tmp:
         new = export_to(Path(tmp))
         PATCH_DIR.mkdir(parents=True, exist_ok=True)
@@ -188,8 +234,16 @@ def patch_problems(patch: Path) -> list[str]:
     prose = [ln for ln in lines if not re.match(r"^[\w-]+-by: ", ln)]
     if not prose:
         problems.append("no body saying why")
-    if not any(ln.startswith("Signed-off-by: ") for ln in lines):
+    sign_offs = [ln[len("Signed-off-by: "):] for ln in lines
+                 if ln.startswith("Signed-off-by: ")]
+    if not sign_offs:
         problems.append("no Signed-off-by")
+    author = re.search(r"^From: (.*(?:\n .*)*)", header, re.M)
+    authors = [re.sub(r"\s*\n\s+", " ", author.group(1))] if author else []
+    for ident in sign_offs + authors:
+        if placeholder_identity(ident):
+            problems.append(f"placeholder identity {ident!r}: sign off and "
+                            "author with your own")
     return problems
 
 
