@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_PINS := -c requirements-build.txt -c requirements-lock.txt
 
-.PHONY: install vllm apply export check-patches test demo lint clean
+.PHONY: install vllm apply export check-patches rebase-check test demo lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ export:
 
 check-patches: $(STAMP)
 	$(PY) tools/vllm_tree.py check
+
+# The series on the newest vLLM release on the package index (or
+# VLLM_VERSION=X): per patch applies / already upstream / conflicts, written
+# to patches/rebase-<version>.{json,md}. Needs the index; not in `make test`.
+rebase-check: $(STAMP)
+	cd tools && ../$(PY) rebase_check.py $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
 test: $(STAMP) apply
 	$(PY) -m pytest -q tests
