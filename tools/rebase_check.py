@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -105,14 +104,7 @@ def release_tree(sdist: Path, dest: Path) -> None:
     vllm_tree.init_pristine(
         dest, fetch_vllm_sdist.fetch(fetch_vllm_sdist.default_cache_dir()))
     vllm_tree.git("rm", "-r", "-q", ".", cwd=dest)
-    with tarfile.open(sdist) as tar:
-        members = tar.getmembers()
-        top = members[0].name.split("/")[0] + "/"
-        for member in members:
-            if member.name.startswith(top):
-                member.name = member.name[len(top):]
-                if member.name:
-                    tar.extract(member, dest, filter="data")
+    vllm_tree.extract_sdist(sdist, dest)
     vllm_tree.git("add", "-A", "-f", ".", cwd=dest)
     vllm_tree.git("commit", "-q", "--no-verify", "--allow-empty", "-m",
                   f"vLLM release {sdist.name}", cwd=dest,

@@ -73,17 +73,22 @@ def series_patches(series: Path = SERIES) -> list[Path]:
     return [series.parent / n for n in names]
 
 
-def init_pristine(dest: Path, sdist: Path) -> None:
-    """Unpack the sdist into ``dest`` and commit it as the pristine tag."""
-    dest.mkdir(parents=True)
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    """Unpack a vLLM sdist into ``dest``, without its top folder."""
     with tarfile.open(sdist) as tar:
-        top = f"vllm-{fetch_vllm_sdist.VERSION}/"
+        top = sdist.name.removesuffix(".tar.gz") + "/"
         for member in tar.getmembers():
             if not member.name.startswith(top):
                 continue
             member.name = member.name[len(top):]
             if member.name:
                 tar.extract(member, dest, filter="data")
+
+
+def init_pristine(dest: Path, sdist: Path) -> None:
+    """Unpack the sdist into ``dest`` and commit it as the pristine tag."""
+    dest.mkdir(parents=True)
+    extract_sdist(sdist, dest)
     git("init", "-q", "-b", "main", cwd=dest)
     # Commits made in the tree carry the developer's own identity (git's
     # global config), never one set here.
