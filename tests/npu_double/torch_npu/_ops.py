@@ -33,7 +33,7 @@ def _dtype(t: torch.Tensor, allowed, op: str, name: str) -> None:
           f"{[str(d) for d in allowed]}")
 
 
-def _kernel(op: str) -> None:
+def _kernel() -> None:
     _npu.state.kernel_launched()
 
 
@@ -48,7 +48,7 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache,
     block_size, num_heads, head_size], all of one dtype (fp16/bf16/int8),
     slot_indices int32 [num_tokens]; writes the caches in place."""
     op = "_npu_reshape_and_cache"
-    _kernel(op)
+    _kernel()
     check(key.dim() == 3 and value.dim() == 3, op,
           "key and value must be [num_tokens, num_heads, head_size]")
     check(key_cache.dim() == 4 and value_cache.dim() == 4, op,
@@ -107,7 +107,7 @@ def npu_fused_infer_attention_score(
     plugin calls); the other layouts raise NotImplementedError.
     """
     op = "npu_fused_infer_attention_score"
-    _kernel(op)
+    _kernel()
     known = {"dequant_scale1", "quant_scale1", "dequant_scale2",
              "quant_scale2", "quant_offset2", "antiquant_scale",
              "antiquant_offset", "key_antiquant_scale",
@@ -255,7 +255,7 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
     pairs (x, gamma) fp16/fp32, bf16/fp32, fp16, bf16, fp32; returns
     (y, rstd float32 keep-dims)."""
     op = "npu_rms_norm"
-    _kernel(op)
+    _kernel()
     check(2 <= self.dim() <= 8, op, f"x must have 2-8 dims, got {self.dim()}")
     check((self.dtype, gamma.dtype) in _RMS_PAIRS, op,
           f"unsupported dtypes x {self.dtype}, gamma {gamma.dtype}")
@@ -269,7 +269,7 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
     same schema): x = x1 + x2, returns (y, rstd, x); x1, x2 fp32/fp16/bf16
     of one shape, 1-8 dims, not empty; gamma of x1's dtype."""
     op = "npu_add_rms_norm"
-    _kernel(op)
+    _kernel()
     _dtype(x1, FLOATS, op, "x1")
     check(x1.dtype == x2.dtype and x1.shape == x2.shape, op,
           "x1 and x2 must have the same dtype and shape")
@@ -287,7 +287,7 @@ def npu_swiglu(self, dim=-1):
     """docs/context/(beta)torch_npu-npu_swiglu.md: silu(A) * B of the two
     halves along dim; 1-8 dims, even along dim, contiguous, not empty."""
     op = "npu_swiglu"
-    _kernel(op)
+    _kernel()
     _dtype(self, FLOATS, op, "input")
     check(1 <= self.dim() <= 8 and self.numel() > 0, op,
           "input must have 1-8 dims and not be empty")
@@ -305,7 +305,7 @@ def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
     rotate(x) * r2; 4-D input, r1, r2; D even and < 896; in BSND layout
     r1/r2 broadcast as 1S1D, BS1D or BSND (interleave: 1S1D only)."""
     op = "npu_rotary_mul"
-    _kernel(op)
+    _kernel()
     check(rotary_mode in ("half", "interleave"), op,
           "The rotary_mode of npu_rotary_mul should be half or interleave")
     for name, t in (("input", self), ("r1", r1), ("r2", r2)):
@@ -341,7 +341,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1,
     Python of the master doc): the bias only selects, weights are the
     unbiased scores, normalized only for norm_type 1 (sigmoid)."""
     op = "npu_moe_gating_top_k"
-    _kernel(op)
+    _kernel()
     check(x.dim() == 2, op, "The x should be 2D")
     _dtype(x, FLOATS, op, "x")
     tokens, experts = x.shape
@@ -396,7 +396,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
     the flat (token, slot) pairs by expert; rows of experts outside
     ``active_expert_range = [start, end)`` go last and are invalid."""
     op = "npu_moe_init_routing_v2"
-    _kernel(op)
+    _kernel()
     check(x.dim() == 2 and expert_idx.dim() == 2
           and x.shape[0] == expert_idx.shape[0], op,
           "x [NUM_ROWS, H] and expert_idx [NUM_ROWS, K] must be 2-D")
@@ -462,7 +462,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
     compute.
     """
     op = "npu_grouped_matmul"
-    _kernel(op)
+    _kernel()
     check(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)),
           op, "x and weight must be lists of tensors")
     check(group_type is not None, op,

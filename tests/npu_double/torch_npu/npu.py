@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import psutil
 import torch
 
-from ._trace import traced
+from ._trace import _record, traced
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -187,7 +187,7 @@ class Stream:
     """torch_npu.npu.Stream(device=None, priority=0)."""
 
     def __init__(self, device=None, priority: int = 0, **kwargs: Any):
-        _trace_type("torch.npu.Stream")
+        _record("torch.npu.Stream")
         if kwargs:
             raise TypeError(f"Stream() got unexpected arguments "
                             f"{sorted(kwargs)}")
@@ -220,7 +220,7 @@ class Event:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, **kwargs: Any):
-        _trace_type("torch.npu.Event")
+        _record("torch.npu.Event")
         if kwargs:
             raise TypeError(f"Event() got unexpected arguments "
                             f"{sorted(kwargs)}")
@@ -241,11 +241,6 @@ class Event:
 
     def query(self) -> bool:
         return True
-
-
-def _trace_type(name: str) -> None:
-    from ._trace import _record
-    _record(name)
 
 
 _default_stream: Optional[Stream] = None
