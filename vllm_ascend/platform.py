@@ -63,6 +63,15 @@ class AscendPlatform(Platform):
         return True
 
     @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return "vllm_ascend.compilation.graph_wrapper.AscendGraphWrapper"
+
+    @classmethod
+    def graph_pool_handle(cls):
+        from vllm_ascend.compilation.graph_wrapper import device_graph_api
+        return device_graph_api().graph_pool_handle()
+
+    @classmethod
     def is_pin_memory_available(cls) -> bool:
         # Pinned host memory needs an accelerator runtime.
         return _choice.torch_device_type == "npu"

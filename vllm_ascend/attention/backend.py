@@ -95,10 +95,11 @@ def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
 
 class AscendAttentionMetadataBuilder(
         AttentionMetadataBuilder[AscendAttentionMetadata]):
-    # Verification batches are uniform (1 + k tokens per request): they can
-    # be captured, provided the metadata is rebuilt before every replay.
+    # Attention runs between the pieces of piecewise graphs; full graphs
+    # (attention inside, its host arguments updated before each replay) are
+    # not captured yet.
     cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.UNIFORM_BATCH)
+        AttentionCGSupport.NEVER)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device):

@@ -1,11 +1,14 @@
 """The compilation and graph settings both devices take, NPU and CPU alike.
 
-vLLM computes the capture sizes (the platform supports static graph mode)
-from ``--compilation-config`` or its defaults; here they are rounded to
-multiples of ``1 + k``. Inductor stays off: it would turn the plugin's
-custom ops off (``CustomOp.default_on``) and needs triton on the device.
-The plugin does not capture graphs yet, so a run that asked for graphs
-runs eager, as with ``--enforce-eager``, after one warning.
+vLLM decides the compilation level, the cudagraph mode and the capture sizes
+from ``--compilation-config`` and ``--enforce-eager`` (the platform supports
+static graph mode, so graphs are the default); here the capture sizes are
+rounded to multiples of ``1 + k`` and inductor stays off (it would turn the
+plugin's custom ops off, ``CustomOp.default_on``, and needs triton). The
+pieces between attention calls are captured by the plugin's graph wrapper.
+Full graphs (attention inside, its host arguments updated before each
+replay) are not captured yet: a mode that asks for them captures piecewise
+graphs instead, after one warning.
 """
 
 from typing import TYPE_CHECKING
@@ -25,7 +28,6 @@ def configure_graph_mode(vllm_config: "VllmConfig",
     from vllm.config import CompilationLevel, CUDAGraphMode
 
     compilation_config = vllm_config.compilation_config
-    model_config = vllm_config.model_config
     compilation_config.use_inductor = False
     if compilation_config.cudagraph_capture_sizes is None:
         vllm_config._set_cudagraph_sizes()
@@ -35,17 +37,20 @@ def configure_graph_mode(vllm_config: "VllmConfig",
         compilation_config.cudagraph_capture_sizes = aligned
         compilation_config.init_with_cudagraph_sizes(aligned)
 
-    eager = (model_config is None or model_config.enforce_eager
-             or compilation_config.level == CompilationLevel.NO_COMPILATION)
-    if not eager:
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if compilation_config.level != CompilationLevel.PIECEWISE:
         logger.warning(
-            "vllm_ascend does not capture graphs yet: running eager, as with "
-            "--enforce-eager (requested compilation level %d, cudagraph_mode "
-            "%s, capture sizes %s).", compilation_config.level,
-            compilation_config.cudagraph_mode.name
-            if compilation_config.cudagraph_mode is not None else None,
+            "cudagraph_mode %s needs compilation level %d (PIECEWISE) in "
+            "vllm_ascend, not %d: running without graphs.", mode.name,
+            CompilationLevel.PIECEWISE, compilation_config.level)
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if mode.has_full_cudagraphs():
+        logger.warning(
+            "cudagraph_mode %s: vllm_ascend does not capture full graphs yet "
+            "(attention inside the graph); capturing PIECEWISE graphs for "
+            "sizes %s instead.", mode.name,
             compilation_config.cudagraph_capture_sizes)
-    compilation_config.level = CompilationLevel.NO_COMPILATION
-    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    if model_config is not None:
-        model_config.enforce_eager = True
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE

@@ -6,7 +6,9 @@ only swaps what needs a device: streams and events, synchronization, the
 rejection sampler (vLLM's is triton-only) and the MTP proposer.
 """
 
+import contextlib
 from typing import TYPE_CHECKING, Optional, Union
+from unittest.mock import patch
 
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -17,6 +19,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
+from vllm_ascend.compilation.graph_wrapper import graph_stats
 from vllm_ascend.sample import AscendRejectionSampler
 from vllm_ascend.spec_decode.mtp_proposer import make_proposer
 from vllm_ascend.worker.streams import device_streams
@@ -75,9 +78,40 @@ class AscendModelRunner(GPUModelRunner):
             return 0, None
         return super().get_dp_padding(num_tokens)
 
+    def capture_model(self) -> int:
+        """vLLM's capture of every size, on the device's graphs; the bytes
+        the graph pools took (on the CPU: what the emulator recorded)."""
+        with _device_capture_env():
+            graph_bytes = super().capture_model()
+        logger.info(
+            "Captured %d graph(s) for %s; graph pool %.2f MiB.",
+            sum(graph_stats.captured.values()),
+            sorted({key[2] for key in graph_stats.captured}, reverse=True),
+            graph_bytes / (1 << 20))
+        return graph_bytes
+
     def _init_device_properties(self) -> None:
         pass
 
     def _sync_device(self) -> None:
         if device.current().is_npu:
             torch.npu.synchronize()
+
+
+@contextlib.contextmanager
+def _device_capture_env():
+    """What vLLM's capture_model takes from CUDA, from the device instead:
+    the capture stream (vLLM's graph_capture asserts a CUDA communicator)
+    and the free memory that measures the graph pool."""
+    if device.current().is_npu:
+        capture = lambda device: torch.npu.stream(  # noqa: E731
+            torch.npu.Stream())
+        mem_get_info = torch.npu.mem_get_info
+    else:
+        capture = lambda device: contextlib.nullcontext()  # noqa: E731
+        total = 1 << 40
+        mem_get_info = lambda *a: (  # noqa: E731
+            total - graph_stats.pool_bytes, total)
+    with patch("vllm.v1.worker.gpu_model_runner.graph_capture", capture), \
+            patch("torch.cuda.mem_get_info", mem_get_info):
+        yield

@@ -1,0 +1,114 @@
+"""The plugin's static graph wrapper: vLLM's CUDAGraphWrapper on a device
+graph, ``torch.npu.NPUGraph`` on an NPU and the emulator on the CPU.
+
+vLLM dispatches (forward context: runtime mode and batch descriptor) and
+this wrapper captures on the first call for a descriptor and replays after,
+exactly as CUDAGraphWrapper does; only the graph API differs. It also counts
+captures and replays per descriptor, for the logs and the tests.
+"""
+
+import dataclasses
+import types
+from collections import Counter
+from contextlib import ExitStack
+from unittest.mock import patch
+
+import torch
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
+from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+
+from vllm_ascend import device
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """Captures and replays by (wrapper role, runtime mode, num_tokens)."""
+    captured: Counter = dataclasses.field(default_factory=Counter)
+    replayed: Counter = dataclasses.field(default_factory=Counter)
+    pool_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        key = lambda k: f"{k[0]}:{k[1]}:{k[2]}"  # noqa: E731
+        return {
+            "captured": {key(k): v for k, v in self.captured.items()},
+            "replayed": {key(k): v for k, v in self.replayed.items()},
+            "pool_bytes": self.pool_bytes,
+        }
+
+
+graph_stats = GraphStats()
+
+
+def device_graph_api() -> types.ModuleType:
+    """The one difference between the devices: whose graphs are captured.
+    ``NPUGraph``, ``graph``, ``graph_pool_handle`` and the task-group API
+    of ``torch.npu`` on an NPU (the torch_npu double's are the emulator);
+    the emulator's on the CPU reference device."""
+    if device.current().is_npu:
+        return torch.npu
+    from vllm_ascend.compilation import graph_emulator
+    return graph_emulator
+
+
+def _graph_bytes(graph) -> int:
+    return getattr(graph, "pool_bytes", 0)
+
+
+class AscendGraphWrapper(CUDAGraphWrapper):
+    """Captures and replays ``runnable`` as one device graph per batch
+    descriptor (a piecewise piece or the whole model)."""
+
+    role = "target"
+
+    def __call__(self, *args, **kwargs):
+        forward_context = get_forward_context()
+        descriptor = forward_context.batch_descriptor
+        mode = forward_context.cudagraph_runtime_mode
+        if mode == CUDAGraphMode.NONE or mode != self.runtime_mode:
+            return self.runnable(*args, **kwargs)
+
+        entry = self.concrete_cudagraph_entries.setdefault(
+            descriptor, CUDAGraphEntry(batch_descriptor=descriptor))
+        key = (self.role, self.runtime_mode.name, descriptor.num_tokens)
+        if entry.cudagraph is None:
+            return self._capture(entry, key, args, kwargs)
+        if self.is_debugging_mode:
+            addresses = [x.data_ptr() for x in args
+                         if isinstance(x, torch.Tensor)]
+            assert addresses == entry.input_addresses, (
+                f"graph inputs moved between capture and replay: expected "
+                f"{entry.input_addresses}, got {addresses}")
+        graph_stats.replayed[key] += 1
+        entry.cudagraph.replay()
+        return entry.output
+
+    def _capture(self, entry: CUDAGraphEntry, key, args, kwargs):
+        if self.cudagraph_options.debug_log_enable:
+            logger.debug("Capturing a graph on (%s, %s)",
+                         self.runtime_mode.name, entry.batch_descriptor)
+        validate_cudagraph_capturing_enabled()
+        entry.input_addresses = [
+            x.data_ptr() for x in args if isinstance(x, torch.Tensor)
+        ]
+        api = device_graph_api()
+        graph = api.NPUGraph()
+        with ExitStack() as stack:
+            if self.cudagraph_options.gc_disable:
+                # Many pieces per forward: collect once, for the first.
+                stack.enter_context(patch("gc.collect", lambda: None))
+            stack.enter_context(api.graph(graph, pool=self.graph_pool))
+            output = self.runnable(*args, **kwargs)
+        # Held strongly: the output lives in the graph's pool either way
+        # (vLLM's weak references need its compiled _C extension).
+        entry.output = output
+        entry.cudagraph = graph
+        compilation_counter.num_cudagraph_captured += 1
+        graph_stats.captured[key] += 1
+        graph_stats.pool_bytes += _graph_bytes(graph)
+        return output
