@@ -15,6 +15,8 @@ import sys
 def inspect_runner(worker) -> dict:
     """What the KV-cache and weight-sharing tests check, read in the worker."""
     from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from vllm_ascend.compilation.graph_wrapper import graph_stats
     runner = worker.model_runner
     groups = [list(g.layer_names)
               for g in runner.kv_cache_config.kv_cache_groups]
@@ -23,6 +25,8 @@ def inspect_runner(worker) -> dict:
         "device": str(runner.device),
         "capture_sizes": compilation.cudagraph_capture_sizes,
         "compilation_level": int(compilation.level),
+        "cudagraph_mode": compilation.cudagraph_mode.name,
+        "graphs": graph_stats.as_dict(),
         "use_inductor": compilation.use_inductor,
         "custom_rms_norm": RMSNorm.enabled(),
         "async_scheduling": runner.scheduler_config.async_scheduling,

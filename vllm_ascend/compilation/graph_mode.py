@@ -33,12 +33,24 @@ def configure_graph_mode(vllm_config: "VllmConfig",
         vllm_config._set_cudagraph_sizes()
     sizes = compilation_config.cudagraph_capture_sizes
     aligned = align_capture_sizes(sizes, num_speculative_tokens)
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if any(size > max_tokens for size in aligned):
+        kept = [size for size in aligned if size <= max_tokens]
+        logger.warning(
+            "Graph capture sizes %s exceed max_num_batched_tokens=%d, the "
+            "most tokens a step runs: capturing %s.", sorted(aligned),
+            max_tokens, sorted(kept))
+        aligned = kept
     if aligned != sizes:
         compilation_config.cudagraph_capture_sizes = aligned
         compilation_config.init_with_cudagraph_sizes(aligned)
 
     mode = compilation_config.cudagraph_mode
     if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if not compilation_config.cudagraph_capture_sizes:
+        logger.warning("No graph capture size left: running without graphs.")
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         return
     if compilation_config.level != CompilationLevel.PIECEWISE:
         logger.warning(
