@@ -68,10 +68,17 @@ def test_npu_paths_equal_reference_device(setup, graph_mode_run):
     _check_reference(graph_mode_run, setup)
     info = graph_mode_run["inspect"]
     # The NPU configuration path: vLLM's capture sizes, custom ops on
-    # (inductor off), eager until graph capture exists.
+    # (inductor off), piecewise graphs by default, captured with the
+    # double's torch.npu.NPUGraph (the emulator) for every size and
+    # replayed while decoding.
     assert info["capture_sizes"] == sorted(CAPTURE_SIZES, reverse=True)
     assert info["use_inductor"] is False and info["custom_rms_norm"] is True
-    assert info["compilation_level"] == 0
+    assert info["compilation_level"] == 3
+    assert info["cudagraph_mode"] == "PIECEWISE"
+    captured = {int(key.rsplit(":", 1)[1])
+                for key in info["graphs"]["captured"]}
+    assert captured == set(CAPTURE_SIZES)
+    assert info["graphs"]["replayed"]
     assert info["device"] == "cpu"  # the double's tensors
 
 

@@ -9,6 +9,7 @@ offline engine on the same code path.
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -115,9 +116,14 @@ def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp,
     assert got["chat"] == no_mtp["chat"]
     assert "vllm_ascend runs on npu" in got["log"]
     if not eager:
-        # Graph mode by default, with the report's capture sizes (1 + k).
-        assert "does not capture graphs yet" in got["log"]
+        # Graph mode by default (vLLM's FULL_AND_PIECEWISE, captured
+        # piecewise), with the report's capture sizes rounded to 1 + k.
+        assert "does not capture full graphs yet" in got["log"]
         assert "capturing [64, 48, 32, 16, 8, 4, 2]" in got["log"]
+        assert re.search(r"Captured \d+ graph\(s\) for \[64, 48, 32, 16, "
+                         r"8, 4, 2\]", got["log"]), got["log"][-3000:]
+    else:
+        assert "graph(s) for" not in got["log"]
 
 
 def test_served_answers_equal_offline_engine(checkpoint, no_mtp):

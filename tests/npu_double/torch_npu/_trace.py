@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 TRACE_ENV = "VLLM_ASCEND_NPU_DOUBLE_TRACE"
 _PLUGIN_DIR = str(Path(__file__).resolve().parents[3] / "vllm_ascend")
 _seen: set[str] = set()
@@ -30,7 +32,11 @@ def _record(name: str) -> None:
 
 
 def traced(name: str):
-    """Decorator: record the plugin call site of each call to ``name``."""
+    """Decorator: record the plugin call site of each call to ``name``.
+
+    The op stays one call in a torch.compile graph, as torch_npu's
+    registered ops do (Dynamo would otherwise trace into the double and
+    fail on its bookkeeping)."""
 
     def wrap(fn):
 
@@ -39,6 +45,6 @@ def traced(name: str):
             _record(name)
             return fn(*args, **kwargs)
 
-        return inner
+        return torch.compiler.allow_in_graph(inner)
 
     return wrap

@@ -289,3 +289,10 @@ def manual_seed_all(seed: int) -> None:
 
 def manual_seed(seed: int) -> None:
     pass
+
+
+# Device graphs: the plugin's CPU graph emulator, which follows torch_npu's
+# NPUGraph, graph, task-group/task-update and ExternalEvent contracts.
+from vllm_ascend.compilation.graph_emulator import (  # noqa: E402,F401
+    ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
+    graph_task_group_end, graph_task_update_begin, graph_task_update_end)
