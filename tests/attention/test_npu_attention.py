@@ -37,7 +37,7 @@ def _metadata(q_lens, seq_lens, block_tables, slot_mapping):
         seq_lens=to_npu(seq), seq_lens_cpu=seq,
         block_tables=to_npu(block_tables), slot_mapping=to_npu(slot_mapping),
         attn_state=classify_batch(q_lens, seq, int(q_lens.max())),
-        seq_lens_list=seq.tolist())
+        seq_lens_list=seq.tolist(), query_ends=qsl[1:].tolist())
 
 
 @pytest.mark.npu
@@ -110,6 +110,7 @@ def test_builder_reads_host_lengths_without_a_device_sync():
     builder = AscendAttentionMetadataBuilder.__new__(
         AscendAttentionMetadataBuilder)
     builder.num_spec_tokens = 1
+    builder.slot_mapping = torch.full((8, ), -1, dtype=torch.int64)
     # The target step and the first draft step: exact host copies.
     assert builder.build(0, common).seq_lens_list == [5, 9]
     assert builder.build_for_drafting(common, 0).seq_lens_list == [5, 9]

@@ -87,7 +87,7 @@ def test_reference_matches_dense_attention(shapes):
         seq_lens_cpu=seq_lens, block_tables=block_tables,
         slot_mapping=slot_mapping,
         attn_state=classify_batch(q_lens, seq_lens, int(q_lens.max())),
-        seq_lens_list=seq_lens.tolist())
+        seq_lens_list=seq_lens.tolist(), query_ends=qsl[1:].tolist())
     output = torch.empty_like(query)
     scale = DIM**-0.5
     ops.attention(query, key_cache, value_cache, meta, scale, output)

@@ -23,6 +23,9 @@ from vllm.v1.attention.backends.utils import (AttentionCGSupport,
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ascend.attention.paged_attention import get_paged_attention_ops
+from vllm_ascend.compilation import attention_tasks
+
+PAD_SLOT_ID = -1
 
 
 class AscendAttentionState(enum.Enum):
@@ -82,6 +85,9 @@ class AscendAttentionMetadata(AttentionMetadata):
     # from seq_lens_cpu, which is exact except in draft steps 2..k of the
     # padded drafter batch, where only the device seq_lens are.
     seq_lens_list: list[int]
+    # Cumulative query lengths (query_start_loc[1:]) as the kernels take
+    # them, host values read at build time.
+    query_ends: list[int]
 
 
 def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
@@ -95,11 +101,12 @@ def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
 
 class AscendAttentionMetadataBuilder(
         AttentionMetadataBuilder[AscendAttentionMetadata]):
-    # Attention runs between the pieces of piecewise graphs; full graphs
-    # (attention inside, its host arguments updated before each replay) are
-    # not captured yet.
+    # Uniform batches (decode, and verify batches of 1 + k tokens per
+    # request) are captured in full graphs, attention inside: its host
+    # arguments are updated before each replay (compilation/
+    # attention_tasks.py). Mixed batches run piecewise or eager.
     cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.NEVER)
+        AttentionCGSupport.UNIFORM_BATCH)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device):
@@ -107,6 +114,18 @@ class AscendAttentionMetadataBuilder(
         spec = vllm_config.speculative_config
         self.num_spec_tokens = (spec.num_speculative_tokens
                                 if spec is not None else 0)
+        # A graph reads the slots of its KV writes from one buffer: the
+        # draft's slot mapping is a new tensor at every step.
+        self.slot_mapping = torch.full(
+            (vllm_config.scheduler_config.max_num_batched_tokens, ),
+            PAD_SLOT_ID, dtype=torch.int64, device=device)
+
+    def _persistent_slot_mapping(self, slot_mapping: torch.Tensor,
+                                 num_tokens: int) -> torch.Tensor:
+        if slot_mapping.data_ptr() != self.slot_mapping.data_ptr():
+            self.slot_mapping[:num_tokens].copy_(slot_mapping[:num_tokens])
+            self.slot_mapping[num_tokens:].fill_(PAD_SLOT_ID)
+        return self.slot_mapping[:num_tokens]
 
     def build(self,
               common_prefix_len: int,
@@ -132,9 +151,11 @@ class AscendAttentionMetadataBuilder(
             seq_lens=m.seq_lens[:num_reqs],
             seq_lens_cpu=seq_lens_cpu,
             block_tables=m.block_table_tensor[:num_reqs],
-            slot_mapping=m.slot_mapping[:m.num_actual_tokens],
+            slot_mapping=self._persistent_slot_mapping(m.slot_mapping,
+                                                       m.num_actual_tokens),
             attn_state=state,
             seq_lens_list=seq_lens_cpu.tolist(),
+            query_ends=query_start_loc_cpu[1:].tolist(),
         )
 
     def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
@@ -212,6 +233,11 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None:
             self.ops.write_kv_cache(key[:n], value[:n], key_cache,
                                     value_cache, attn_metadata.slot_mapping)
-        self.ops.attention(query[:n], key_cache, value_cache, attn_metadata,
-                           self.scale, output[:n])
+        if attention_tasks.capturing_tasks():
+            attention_tasks.launch_task(layer.layer_name, self.ops, query[:n],
+                                        key_cache, value_cache, attn_metadata,
+                                        self.scale, output[:n])
+        else:
+            self.ops.attention(query[:n], key_cache, value_cache,
+                               attn_metadata, self.scale, output[:n])
         return output

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from vllm_ascend import device
+from vllm_ascend.compilation.graph_emulator import kernel
 
 if TYPE_CHECKING:
     from vllm_ascend.attention.backend import AscendAttentionMetadata
@@ -27,60 +28,95 @@ class PagedAttentionOps(Protocol):
                        slot_mapping: torch.Tensor) -> None:
         ...
 
+    def launch(self, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, block_table: torch.Tensor,
+               query_ends: list[int], seq_lens: list[int], scale: float,
+               output: torch.Tensor) -> None:
+        """One attention kernel launch: causal attention of each request's
+        query tokens (the last ``q_len`` positions of its ``seq_len``) over
+        its paged context. ``query_ends`` (cumulative query lengths) and
+        ``seq_lens`` are host arguments, as the NPU kernel takes them: a
+        captured launch keeps them until a task update replaces them."""
+        ...
+
     def attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, metadata: "AscendAttentionMetadata",
                   scale: float, output: torch.Tensor) -> None:
-        """Causal attention of each request's query tokens (the last
-        ``q_len`` positions of its ``seq_len``) over its paged context."""
         ...
 
 
-class ReferencePagedAttention:
-    """Exact paged attention in torch (float32 softmax)."""
-
-    def write_kv_cache(self, key, value, key_cache, value_cache,
-                       slot_mapping) -> None:
-        # Padding tokens carry slot -1 (PAD_SLOT_ID): they write nothing.
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid].long()
-        block_size = key_cache.shape[1]
-        blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
-        value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+class _Attention:
+    """``attention``: one launch with the metadata's host arguments."""
 
     def attention(self, query, key_cache, value_cache, metadata, scale,
                   output) -> None:
-        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-        group = query.shape[1] // num_kv_heads
-        starts = metadata.query_start_loc_cpu.tolist()
-        block_tables = metadata.block_tables
-        for i, seq_len in enumerate(metadata.seq_lens_list):
-            q_start, q_end = starts[i], starts[i + 1]
-            q_len = q_end - q_start
-            if q_len == 0:
-                continue
-            num_blocks = -(-seq_len // block_size)
-            blocks = block_tables[i, :num_blocks].long()
-            k = key_cache[blocks].flatten(0, 1)[:seq_len].float()
-            v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
-            k = k.repeat_interleave(group, dim=1)  # [S, H, D]
-            v = v.repeat_interleave(group, dim=1)
-            q = query[q_start:q_end].float()  # [L, H, D]
-            scores = torch.einsum("lhd,shd->hls", q, k) * scale
-            # Query token j sits at position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            k_pos = torch.arange(seq_len).unsqueeze(0)
-            scores.masked_fill_(k_pos > q_pos, float("-inf"))
-            probs = scores.softmax(dim=-1)
-            out = torch.einsum("hls,shd->lhd", probs, v)
-            output[q_start:q_end] = out.to(output.dtype)
+        self.launch(query, key_cache, value_cache, metadata.block_tables,
+                    metadata.query_ends,
+                    metadata.seq_lens_list, scale, output)
 
 
-class NpuPagedAttention:
-    """torch_npu kernels: reshape-and-cache and fused infer attention."""
+@kernel
+def _reference_write_kv_cache(key, value, key_cache, value_cache,
+                              slot_mapping) -> None:
+    # Padding tokens carry slot -1 (PAD_SLOT_ID): they write nothing.
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+@kernel
+def _reference_attention(query, key_cache, value_cache, block_table,
+                         query_ends, seq_lens, scale, output) -> None:
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    q_start = 0
+    for i, (q_end, seq_len) in enumerate(zip(query_ends, seq_lens)):
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[i, :num_blocks].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].float()
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [L, H, D]
+        scores = torch.einsum("lhd,shd->hls", q, k) * scale
+        # Query token j sits at position seq_len - q_len + j.
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("hls,shd->lhd", probs, v)
+        output[q_start:q_end] = out.to(output.dtype)
+        q_start = q_end
+
+
+class ReferencePagedAttention(_Attention):
+    """Exact paged attention in torch (float32 softmax); each call is one
+    kernel to the CPU graph emulator, as the NPU kernels are."""
+
+    def write_kv_cache(self, key, value, key_cache, value_cache,
+                       slot_mapping) -> None:
+        _reference_write_kv_cache(key, value, key_cache, value_cache,
+                                  slot_mapping)
+
+    def launch(self, query, key_cache, value_cache, block_table, query_ends,
+               seq_lens, scale, output) -> None:
+        _reference_attention(query, key_cache, value_cache, block_table,
+                             query_ends, seq_lens, scale, output)
+
+
+class NpuPagedAttention(_Attention):
+    """torch_npu kernels: reshape-and-cache and fused infer attention (its
+    ``.out`` variant: a captured launch writes where a task update's does)."""
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
 
     def _causal_mask(self, device_: torch.device) -> torch.Tensor:
         if self._mask is None:
@@ -88,6 +124,12 @@ class NpuPagedAttention:
                 torch.ones(_NPU_MASK_SIZE, _NPU_MASK_SIZE, dtype=torch.bool,
                            device=device_), diagonal=1)
         return self._mask
+
+    def _softmax_lse(self, device_: torch.device) -> torch.Tensor:
+        # Not computed (softmax_lse_flag=False), but an out tensor.
+        if self._lse is None:
+            self._lse = torch.empty(1, dtype=torch.float32, device=device_)
+        return self._lse
 
     def write_kv_cache(self, key, value, key_cache, value_cache,
                        slot_mapping) -> None:
@@ -98,26 +140,26 @@ class NpuPagedAttention:
                                          value_cache=value_cache,
                                          slot_indices=slot_mapping.int())
 
-    def attention(self, query, key_cache, value_cache, metadata, scale,
-                  output) -> None:
+    def launch(self, query, key_cache, value_cache, block_table, query_ends,
+               seq_lens, scale, output) -> None:
         import torch_npu
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-        out, _ = torch_npu.npu_fused_infer_attention_score(
+        torch_npu.npu_fused_infer_attention_score.out(
             query,
             key_cache.view(num_blocks, block_size, -1),
             value_cache.view(num_blocks, block_size, -1),
             atten_mask=self._causal_mask(query.device),
-            block_table=metadata.block_tables,
+            block_table=block_table,
             input_layout="TND",
             block_size=block_size,
-            actual_seq_lengths=metadata.query_start_loc_cpu[1:].tolist(),
-            actual_seq_lengths_kv=metadata.seq_lens_list,
+            actual_seq_lengths=query_ends,
+            actual_seq_lengths_kv=seq_lens,
             num_key_value_heads=num_kv_heads,
             num_heads=query.shape[1],
             scale=scale,
             sparse_mode=3,
+            out=[output.view(query.shape), self._softmax_lse(query.device)],
         )
-        output.copy_(out.view_as(output))
 
 
 def get_paged_attention_ops() -> PagedAttentionOps:

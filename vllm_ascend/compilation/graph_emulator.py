@@ -14,6 +14,13 @@ sync (``.item()``, ``.tolist()``, ``.cpu()``/``.numpy()`` of a recorded tensor)
 or an output whose shape depends on data (``nonzero``, boolean-mask indexing,
 ``unique``, ...).
 
+A kernel is one recorded call: a torch op outside ``aten`` (a library's
+registered kernel) or a Python function marked with :func:`kernel` (the CPU
+reference kernels, the torch_npu double's ops); what it does inside is not
+recorded, its host arguments are frozen. vLLM's own custom ops
+(``torch.ops.vllm.*``: attention, MoE dispatch) are Python wrappers, not
+kernels: the capture records what runs inside them, as a device graph would.
+
 Task groups and task updates follow torch_npu's contract
 (``graph_task_group_begin/end``, ``graph_task_update_begin/end``,
 ``ExternalEvent``): a group captured around one kernel call can have that
@@ -22,11 +29,14 @@ with the same tensors, inside an update; a replay that reaches an
 ``ExternalEvent.wait`` whose event no update recorded fails.
 """
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode,
+                                          _disable_current_modes)
 from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
@@ -50,6 +60,7 @@ _DATA_DEPENDENT_OPS = {
     aten.repeat_interleave.Tensor, aten.argwhere.default,
 }
 _HOST_METHODS = ("item", "tolist", "cpu", "numpy")
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _may_alias(func) -> bool:
@@ -104,6 +115,8 @@ class _Node:
 
 def _kind(func, inputs: list[torch.Tensor],
           outputs: list[torch.Tensor]) -> str:
+    if not hasattr(func, "_schema"):
+        return "compute"  # a kernel: replay runs it again
     if _mutates(func):
         return "mutate"
     if _may_alias(func):
@@ -157,6 +170,10 @@ class _Recorder(TorchDispatchMode):
                 f"{func} during graph capture: its output shape depends on "
                 "tensor values (nonzero, boolean-mask indexing, unique); use "
                 "a static-shape formulation (torch.where, masks)")
+        if func.namespace == "vllm":
+            # A framework wrapper (attention, MoE): record its insides.
+            with self:
+                return func.redispatch(_CPU_KEYS, *args, **kwargs)
         result = func(*args, **kwargs)
         self.graph._record(func, args, kwargs, result)
         return result
@@ -171,27 +188,34 @@ class _Updater(TorchDispatchMode):
         self.index = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.replace(func, args, kwargs or {})
+
+    def replace(self, func, args, kwargs) -> None:
         if self.index >= len(self.group.nodes):
             raise GraphReplayError(
-                f"task update calls {func} but the task group holds only "
-                f"{len(self.group.nodes)} captured call(s)")
+                f"task update calls {_name(func)} but the task group holds "
+                f"only {len(self.group.nodes)} captured call(s)")
         node = self.group.nodes[self.index]
         if node.func is not func:
             raise GraphReplayError(
-                f"task update calls {func} where the group captured "
-                f"{node.func}")
+                f"task update calls {_name(func)} where the group captured "
+                f"{_name(node.func)}")
         old = [t for t in tree_flatten((node.args, node.kwargs))[0]
                if isinstance(t, torch.Tensor)]
         new = [t for t in tree_flatten((args, kwargs))[0]
                if isinstance(t, torch.Tensor)]
-        if [t.data_ptr() for t in old] != [t.data_ptr() for t in new]:
+        if [(t.data_ptr(), t.shape) for t in old] != [(t.data_ptr(), t.shape)
+                                                      for t in new]:
             raise GraphReplayError(
-                f"task update of {func} passes other tensors than the "
+                f"task update of {_name(func)} passes other tensors than the "
                 "captured call: an update changes host arguments only")
         node.args, node.kwargs = tree_map(lambda x: x, (args, kwargs))
         self.index += 1
         return None
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or str(func)
 
 
 class EmulatedGraph:
@@ -207,6 +231,7 @@ class EmulatedGraph:
         self._pool_bytes = 0
         self._group: Optional[TaskGroup] = None
         self._restore: list[tuple[str, Callable]] = []
+        self._in_kernel = False
         self.num_replays = 0
 
     # -- capture ---------------------------------------------------------
@@ -229,6 +254,16 @@ class EmulatedGraph:
         if self._group is not None:
             raise GraphCaptureError(
                 "graph_task_group_begin without graph_task_group_end")
+
+    @contextlib.contextmanager
+    def _kernel_scope(self):
+        """Inside a kernel: nothing is recorded, host reads are its own."""
+        self._in_kernel = True
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self._in_kernel = False
 
     def _record(self, func, args, kwargs, result) -> None:
         outputs = [t for t in tree_flatten(result)[0]
@@ -256,7 +291,7 @@ class EmulatedGraph:
         def guard(name: str, original: Callable) -> Callable:
 
             def method(tensor, *args, **kwargs):
-                if _storage_key(tensor) in seen:
+                if not self._in_kernel and _storage_key(tensor) in seen:
                     raise GraphCaptureError(
                         f"Tensor.{name}() of a tensor the graph recorded, "
                         "during graph capture: a host sync cannot be "
@@ -384,6 +419,31 @@ class ExternalEvent:
             current._nodes.append(_Reset(self))
         else:
             self._recorded = False
+
+
+def kernel(fn: Callable) -> Callable:
+    """Mark a Python function as one device kernel launch.
+
+    Outside a capture it runs. During a capture it runs once and is recorded
+    as one call (its tensors by storage, its other arguments by value, what
+    it does inside unrecorded, host reads included); a replay calls it again
+    with the captured arguments. Inside a task update it is not run: its new
+    host arguments replace those of the group's next captured call.
+    """
+
+    @functools.wraps(fn)
+    def launch(*args, **kwargs):
+        if _updating:
+            return _updating[-1].replace(fn, args, kwargs)
+        graph_ = EmulatedGraph._capturing
+        if graph_ is None or graph_._in_kernel:
+            return fn(*args, **kwargs)
+        with graph_._kernel_scope():
+            result = fn(*args, **kwargs)
+        graph_._record(fn, args, kwargs, result)
+        return result
+
+    return launch
 
 
 # torch.npu's names for the same API.

@@ -5,10 +5,11 @@ from ``--compilation-config`` and ``--enforce-eager`` (the platform supports
 static graph mode, so graphs are the default); here the capture sizes are
 rounded to multiples of ``1 + k`` and inductor stays off (it would turn the
 plugin's custom ops off, ``CustomOp.default_on``, and needs triton). The
-pieces between attention calls are captured by the plugin's graph wrapper.
-Full graphs (attention inside, its host arguments updated before each
-replay) are not captured yet: a mode that asks for them captures piecewise
-graphs instead, after one warning.
+pieces between attention calls are captured by the plugin's graph wrapper;
+full graphs hold the attention too, its host arguments updated before each
+replay (``attention_tasks``). vLLM's runner keeps full graphs to uniform
+batches (the attention backend's ``UNIFORM_BATCH`` support) and runs the
+rest piecewise.
 """
 
 from typing import TYPE_CHECKING
@@ -59,10 +60,3 @@ def configure_graph_mode(vllm_config: "VllmConfig",
             CompilationLevel.PIECEWISE, compilation_config.level)
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         return
-    if mode.has_full_cudagraphs():
-        logger.warning(
-            "cudagraph_mode %s: vllm_ascend does not capture full graphs yet "
-            "(attention inside the graph); capturing PIECEWISE graphs for "
-            "sizes %s instead.", mode.name,
-            compilation_config.cudagraph_capture_sizes)
-        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE

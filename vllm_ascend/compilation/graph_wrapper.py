@@ -22,6 +22,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 
 from vllm_ascend import device
+from vllm_ascend.compilation import attention_tasks
 
 logger = init_logger(__name__)
 
@@ -56,6 +57,14 @@ def device_graph_api() -> types.ModuleType:
     return graph_emulator
 
 
+def current_stream():
+    """The stream a capture and its task updates run on (the emulator's
+    graphs have none)."""
+    if device.current().is_npu:
+        return torch.npu.current_stream()
+    return None
+
+
 def _graph_bytes(graph) -> int:
     return getattr(graph, "pool_bytes", 0)
 
@@ -85,6 +94,9 @@ class AscendGraphWrapper(CUDAGraphWrapper):
                 f"graph inputs moved between capture and replay: expected "
                 f"{entry.input_addresses}, got {addresses}")
         graph_stats.replayed[key] += 1
+        if self.runtime_mode == CUDAGraphMode.FULL:
+            attention_tasks.update_tasks(entry.attention_tasks,
+                                         forward_context.attn_metadata)
         entry.cudagraph.replay()
         return entry.output
 
@@ -98,7 +110,10 @@ class AscendGraphWrapper(CUDAGraphWrapper):
         ]
         api = device_graph_api()
         graph = api.NPUGraph()
+        tasks: list[attention_tasks.AttentionTask] = []
         with ExitStack() as stack:
+            if self.runtime_mode == CUDAGraphMode.FULL:
+                stack.enter_context(attention_tasks.collecting(tasks))
             if self.cudagraph_options.gc_disable:
                 # Many pieces per forward: collect once, for the first.
                 stack.enter_context(patch("gc.collect", lambda: None))
@@ -108,6 +123,7 @@ class AscendGraphWrapper(CUDAGraphWrapper):
         # (vLLM's weak references need its compiled _C extension).
         entry.output = output
         entry.cudagraph = graph
+        entry.attention_tasks = tasks
         compilation_counter.num_cudagraph_captured += 1
         graph_stats.captured[key] += 1
         graph_stats.pool_bytes += _graph_bytes(graph)

@@ -19,7 +19,8 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
-from vllm_ascend.compilation.graph_wrapper import graph_stats
+from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
+                                                   graph_stats)
 from vllm_ascend.sample import AscendRejectionSampler
 from vllm_ascend.spec_decode.mtp_proposer import make_proposer
 from vllm_ascend.worker.streams import device_streams
@@ -77,6 +78,14 @@ class AscendModelRunner(GPUModelRunner):
                 or not device.current().is_npu):
             return 0, None
         return super().get_dp_padding(num_tokens)
+
+    def load_model(self, *args, **kwargs) -> None:
+        # vLLM wraps the model for full graphs in CUDAGraphWrapper itself:
+        # the plugin's wrapper instead (the device's graphs, attention
+        # task updates).
+        with patch("vllm.v1.worker.gpu_model_runner.CUDAGraphWrapper",
+                   AscendGraphWrapper):
+            super().load_model(*args, **kwargs)
 
     def capture_model(self) -> int:
         """vLLM's capture of every size, on the device's graphs; the bytes

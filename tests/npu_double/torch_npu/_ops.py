@@ -227,6 +227,29 @@ def npu_fused_infer_attention_score(
     return out, torch.empty(0, dtype=torch.float32)
 
 
+def _fia_out(query, key, value, *, workspace=None, out=None, **kwargs):
+    """``npu_fused_infer_attention_score.out``: the same op writing into
+    ``out=[attention_out, softmax_lse]`` (what a captured launch and its
+    task updates share); ``workspace`` from
+    ``_npu_fused_infer_attention_score_get_max_workspace`` or None."""
+    op = "npu_fused_infer_attention_score.out"
+    check(isinstance(out, (list, tuple)) and len(out) == 2
+          and all(isinstance(t, torch.Tensor) for t in out), op,
+          "out must be [attention_out, softmax_lse]")
+    attention_out, _ = out
+    check(attention_out.shape == query.shape
+          and attention_out.dtype == query.dtype, op,
+          f"attention_out {tuple(attention_out.shape)} {attention_out.dtype}"
+          f" must match query {tuple(query.shape)} {query.dtype}")
+    result, _ = npu_fused_infer_attention_score.__wrapped__(
+        query, key, value, **kwargs)
+    attention_out.copy_(result)
+
+
+npu_fused_infer_attention_score.out = traced(
+    "torch_npu.npu_fused_infer_attention_score.out")(_fia_out)
+
+
 # --- norms and activations ---------------------------------------------
 
 _RMS_PAIRS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32),

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_ascend.compilation.graph_emulator import kernel
+
 TRACE_ENV = "VLLM_ASCEND_NPU_DOUBLE_TRACE"
 _PLUGIN_DIR = str(Path(__file__).resolve().parents[3] / "vllm_ascend")
 _seen: set[str] = set()
@@ -36,14 +38,16 @@ def traced(name: str):
 
     The op stays one call in a torch.compile graph, as torch_npu's
     registered ops do (Dynamo would otherwise trace into the double and
-    fail on its bookkeeping)."""
+    fail on its bookkeeping), and one kernel in a device graph (the
+    emulator records the launch, not what the double computes inside)."""
 
     def wrap(fn):
+        launch = kernel(fn)
 
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             _record(name)
-            return fn(*args, **kwargs)
+            return launch(*args, **kwargs)
 
         return torch.compiler.allow_in_graph(inner)
 

@@ -1,0 +1,129 @@
+"""Attention inside full graphs: captured kernel launches whose host
+arguments are updated before every replay.
+
+The NPU fused attention takes the query and context lengths as host
+arguments, so a captured launch keeps the lengths of the batch it was
+captured with. During a full-graph capture each attention layer launches its
+kernel inside a task group, after a wait on an external event (the
+``AttentionTask``); before each replay, :func:`update_tasks` relaunches each
+captured kernel inside a task update with the lengths of the batch about to
+run, padded to the captured batch, and records the event. A replay that was
+not updated fails at the wait instead of attending with stale lengths.
+
+The tasks of a graph live with that graph (its wrapper's entry), so the
+target's and the draft's graphs never share a parameter store.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_ascend.attention.backend import AscendAttentionMetadata
+    from vllm_ascend.attention.paged_attention import PagedAttentionOps
+
+
+@dataclass
+class AttentionTask:
+    """One captured attention launch of one layer."""
+    layer_name: str
+    ops: "PagedAttentionOps"
+    handle: Any
+    event: Any
+    # The captured launch's tensors: query, key_cache, value_cache,
+    # block_table; an update must pass the same ones.
+    tensors: tuple[torch.Tensor, ...]
+    scale: float
+    output: torch.Tensor
+    num_reqs: int
+
+
+_collecting: Optional[list[AttentionTask]] = None
+
+
+@contextlib.contextmanager
+def collecting(tasks: list[AttentionTask]) -> Iterator[None]:
+    """Attention layers that run inside this block (a full-graph capture)
+    launch as tasks and append them to ``tasks``."""
+    global _collecting
+    previous, _collecting = _collecting, tasks
+    try:
+        yield
+    finally:
+        _collecting = previous
+
+
+def capturing_tasks() -> bool:
+    return _collecting is not None
+
+
+def launch_task(layer_name: str, ops: "PagedAttentionOps",
+                query: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor,
+                metadata: "AscendAttentionMetadata", scale: float,
+                output: torch.Tensor) -> None:
+    """Launch one layer's attention as an updatable task of the graph
+    being captured."""
+    from vllm_ascend.compilation.graph_wrapper import (current_stream,
+                                                       device_graph_api)
+    assert _collecting is not None
+    api = device_graph_api()
+    stream = current_stream()
+    event = api.ExternalEvent()
+    event.wait(stream)
+    event.reset(stream)
+    api.graph_task_group_begin(stream)
+    query_ends, seq_lens = host_arguments(metadata, metadata.num_reqs,
+                                          query.shape[0])
+    ops.launch(query, key_cache, value_cache, metadata.block_tables,
+               query_ends, seq_lens, scale, output)
+    handle = api.graph_task_group_end(stream)
+    _collecting.append(
+        AttentionTask(layer_name, ops, handle, event,
+                      (query, key_cache, value_cache, metadata.block_tables),
+                      scale, output, metadata.num_reqs))
+
+
+def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
+                   num_tokens: int) -> tuple[list[int], list[int]]:
+    """The kernel's cumulative query lengths and context lengths for this
+    batch, padded to a captured batch of ``num_reqs`` requests and
+    ``num_tokens`` tokens. The padding tokens go to padding requests that
+    attend only to themselves; their outputs are never read."""
+    query_ends = list(metadata.query_ends)
+    seq_lens = list(metadata.seq_lens_list)
+    missing_reqs = num_reqs - len(query_ends)
+    end = query_ends[-1] if query_ends else 0
+    missing_tokens = num_tokens - end
+    if missing_reqs < 0 or (missing_tokens and not missing_reqs):
+        raise RuntimeError(
+            f"a batch of {len(query_ends)} request(s) and {end} token(s) "
+            f"does not fit a graph captured for {num_reqs} request(s) and "
+            f"{num_tokens} token(s)")
+    for i in range(missing_reqs):
+        share = missing_tokens // missing_reqs + (
+            i < missing_tokens % missing_reqs)
+        end += share
+        query_ends.append(end)
+        seq_lens.append(share)
+    return query_ends, seq_lens
+
+
+def update_tasks(tasks: list[AttentionTask],
+                 attn_metadata: dict[str, "AscendAttentionMetadata"]) -> None:
+    """Give every captured attention launch this batch's lengths."""
+    from vllm_ascend.compilation.graph_wrapper import (current_stream,
+                                                       device_graph_api)
+    api = device_graph_api()
+    stream = current_stream()
+    for task in tasks:
+        query, key_cache, value_cache, block_table = task.tensors
+        query_ends, seq_lens = host_arguments(attn_metadata[task.layer_name],
+                                              task.num_reqs, query.shape[0])
+        api.graph_task_update_begin(stream, task.handle)
+        task.ops.launch(query, key_cache, value_cache, block_table,
+                        query_ends, seq_lens, task.scale, task.output)
+        api.graph_task_update_end(stream)
+        task.event.record(stream)
