@@ -63,6 +63,16 @@ def _accepted(run: dict) -> tuple:
             tuple(m["vllm:spec_decode_num_accepted_tokens_per_pos"]))
 
 
+def _sizes_of(keys, mode: str) -> dict[int, int]:
+    """{num_tokens: count} of the target's graphs of one runtime mode."""
+    out: dict[int, int] = {}
+    for key, n in keys.items():
+        role, runtime_mode, size = key.split(":")
+        if role == "target" and runtime_mode == mode:
+            out[int(size)] = n
+    return out
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_graph_modes_match_eager_with_mtp(reference, k):
     eager = _run(k, enforce_eager=True)
@@ -70,27 +80,36 @@ def test_graph_modes_match_eager_with_mtp(reference, k):
     assert eager["inspect"]["graphs"]["captured"] == {}
     assert eager["metrics"]["vllm:num_preemptions"] > 0
 
-    modes = ["PIECEWISE", "FULL_DECODE_ONLY"] if k == 1 else ["PIECEWISE"]
     step = 1 + k
     want_sizes = sorted({-(-s // step) * step for s in ORIGINAL_SIZES
                          if -(-s // step) * step <= 40})
-    for mode in modes:
+    # Full graphs hold uniform batches: up to max_num_seqs requests of
+    # 1 + k tokens.
+    want_full = [s for s in want_sizes if step <= s <= 16 * step]
+    for mode in ["PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]:
         run = _run(k, **_graph_mode(mode))
         info = run["inspect"]
         assert run["outputs"] == reference, mode
         assert _accepted(run) == _accepted(eager), mode
         assert run["metrics"]["vllm:num_preemptions"] > 0
-        # Full graphs are not captured yet: the mode runs piecewise.
-        assert info["cudagraph_mode"] == "PIECEWISE"
+        assert info["cudagraph_mode"] == mode
         assert sorted(info["capture_sizes"]) == want_sizes
         captured = info["graphs"]["captured"]
         replayed = info["graphs"]["replayed"]
-        # One graph per piece per size: 1 + num_layers pieces.
-        pieces = {key.rsplit(":", 1)[1]: n for key, n in captured.items()}
-        assert sorted(map(int, pieces)) == want_sizes
-        assert set(pieces.values()) == {4}, captured
-        # Decode steps replayed graphs of several sizes (11 requests, then
-        # fewer as they finish).
-        replayed_sizes = {int(key.rsplit(":", 1)[1]) for key in replayed}
-        assert len(replayed_sizes) >= 2, replayed
-        assert replayed_sizes <= set(want_sizes)
+        if "PIECEWISE" in mode:
+            # One graph per piece per size: 1 + num_layers pieces.
+            pieces = _sizes_of(captured, "PIECEWISE")
+            assert sorted(pieces) == want_sizes, captured
+            assert set(pieces.values()) == {4}, captured
+            assert _sizes_of(replayed, "PIECEWISE"), replayed
+        if "FULL" in mode:
+            # One graph per size, attention inside; decode steps replayed
+            # several sizes (11 requests, then fewer as they finish).
+            full = _sizes_of(captured, "FULL")
+            assert sorted(full) == want_full, captured
+            assert set(full.values()) == {1}, captured
+            assert len(_sizes_of(replayed, "FULL")) >= 2, replayed
+        else:
+            assert not _sizes_of(captured, "FULL"), captured
+        if mode == "PIECEWISE":
+            assert len(_sizes_of(replayed, "PIECEWISE")) >= 2, replayed

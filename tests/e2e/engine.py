@@ -14,13 +14,14 @@ RUNNER = Path(__file__).with_name("run_engine.py")
 
 def run_engine(engine: dict, prompts: list[list[int]], sampling,
                env: dict | None = None, timeout: int = 600,
-               inspect: bool = False) -> dict:
+               inspect: bool = False, setup: str | None = None) -> dict:
     """Generate with vLLM (through our plugin) in a fresh process; with
     ``inspect``, also report the runner's KV cache and draft weights."""
     with tempfile.NamedTemporaryFile("w", suffix=".json",
                                      delete=False) as spec:
         json.dump({"engine": engine, "prompts": prompts,
-                   "sampling": sampling, "inspect": inspect}, spec)
+                   "sampling": sampling, "inspect": inspect,
+                   "setup": setup}, spec)
     # In-process engine core: faster to start; patch 0004 makes it deliver
     # drafts like the multiprocess one.
     full_env = {**os.environ, "VLLM_ASCEND_DEVICE": "cpu",

@@ -2,7 +2,8 @@
 
 Usage: ``python run_engine.py SPEC.json``. The spec holds ``engine`` (LLM
 keyword arguments), ``prompts`` (token id lists) and ``sampling``
-(SamplingParams keyword arguments, or a list of them, one per prompt). The
+(SamplingParams keyword arguments, or a list of them, one per prompt) and
+optionally ``setup`` ("module:function" run first). The
 last stdout line is ``{"outputs": [[ids...], ...], "metrics": {...}}``.
 A fresh process per engine keeps each configuration's distributed state and
 memory apart.
@@ -66,6 +67,14 @@ def main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(open(spec_path).read())
+    if spec.get("setup"):
+        # "module:function", called before the engine starts (the engine
+        # core runs in this process): a test's deliberate mutation.
+        import importlib
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).parents[2]))
+        module, function = spec["setup"].split(":")
+        getattr(importlib.import_module(module), function)()
     llm = LLM(**spec["engine"], disable_log_stats=False)
     sampling = spec["sampling"]
     if isinstance(sampling, list):

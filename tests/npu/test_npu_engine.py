@@ -92,7 +92,9 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
 
 
 @pytest.mark.parametrize("k,mode", [
-    (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48)),
+    (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48,
+             compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                 "cudagraph_capture_sizes": CAPTURE_SIZES})),
     (2, dict(num_gpu_blocks_override=3)),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
              num_gpu_blocks_override=3)),
@@ -110,6 +112,12 @@ def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
     assert all(s % (1 + k) == 0 for s in got["inspect"]["capture_sizes"])
     assert got["inspect"]["draft_embed_ptr"] == got["inspect"][
         "target_embed_ptr"]
+    if "compilation_config" in mode:
+        # Verify batches replayed full graphs: the fused attention's .out
+        # launches updated through the double's task-update contract.
+        graphs = got["inspect"]["graphs"]
+        assert any(":FULL:" in key for key in graphs["captured"]), graphs
+        assert any(":FULL:" in key for key in graphs["replayed"]), graphs
 
 
 def test_dp2_ep_mtp_equals_reference(setup):

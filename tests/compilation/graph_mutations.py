@@ -1,0 +1,59 @@
+"""Deliberate bugs for the graph-mode mutation tests, one per failure class
+of full graphs + MTP; each is applied in the engine's process before it
+starts (``run_engine(..., setup="tests.compilation.graph_mutations:NAME")``).
+"""
+
+import torch
+
+
+def stale_attention_lengths() -> None:
+    """Replay without updating the attention tasks (the event is recorded,
+    so the replay runs): attention keeps the lengths of the capture."""
+    from vllm_ascend.compilation import attention_tasks
+
+    def record_only(tasks, attn_metadata):
+        for task in tasks:
+            task.event.record(None)
+
+    attention_tasks.update_tasks = record_only
+
+
+def no_task_update() -> None:
+    """Replay without any task update."""
+    from vllm_ascend.compilation import attention_tasks
+    attention_tasks.update_tasks = lambda tasks, attn_metadata: None
+
+
+def rebound_slot_mapping() -> None:
+    """Rebind the slot-mapping buffer each step instead of copying into
+    the one the graphs captured."""
+    from vllm_ascend.attention.backend import AscendAttentionMetadataBuilder
+    original = AscendAttentionMetadataBuilder._persistent_slot_mapping
+
+    def rebind(self, slot_mapping, num_tokens):
+        self.slot_mapping = torch.full_like(self.slot_mapping, -1)
+        return original(self, slot_mapping, num_tokens)
+
+    AscendAttentionMetadataBuilder._persistent_slot_mapping = rebind
+
+
+def host_sync_in_attention() -> None:
+    """Read a device value on the host inside the attention layer, which
+    full graphs capture."""
+    from vllm_ascend.attention.backend import AscendAttentionImpl
+    original = AscendAttentionImpl.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata,
+                *args, **kwargs):
+        if attn_metadata is not None:
+            int(attn_metadata.slot_mapping.max().item())
+        return original(self, layer, query, key, value, kv_cache,
+                        attn_metadata, *args, **kwargs)
+
+    AscendAttentionImpl.forward = forward
+
+
+def unaligned_capture_sizes() -> None:
+    """Capture the sizes as given, not rounded to multiples of 1 + k."""
+    from vllm_ascend.compilation import graph_mode
+    graph_mode.align_capture_sizes = lambda sizes, k: sizes

@@ -1,0 +1,61 @@
+"""Mutation tests of full graphs + MTP: each failure class behind the
+garbled output of full graphs + MTP on Ascend, put back on purpose
+(``graph_mutations.py``), shows as wrong tokens or a clear capture/replay
+error; ``test_graph_modes.py`` shows the same runs correct without it."""
+
+import pytest
+
+from tests.compilation.test_graph_modes import (MAX_NEW, _engine, _graph_mode,
+                                                _prompts)
+from tests.e2e.engine import run_engine
+
+MUTATIONS = "tests.compilation.graph_mutations"
+
+
+def _run(k: int, mutation: str, mode: str = "FULL_DECODE_ONLY") -> dict:
+    prompts = _prompts()
+    sampling = [dict(temperature=0, max_tokens=MAX_NEW - (i % 4),
+                     ignore_eos=True) for i in range(len(prompts))]
+    return run_engine(_engine(k, **_graph_mode(mode)), prompts, sampling,
+                      inspect=True, setup=f"{MUTATIONS}:{mutation}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from tests.compilation.test_graph_modes import _run as run_mode
+    return run_mode(0, enforce_eager=True)["outputs"]
+
+
+@pytest.mark.parametrize("mutation", [
+    # Verify-batch attention keeps the lengths frozen at capture.
+    "stale_attention_lengths",
+    # The KV writes of a replay go to the slots of the buffer the graph
+    # captured, not to the rebound one.
+    "rebound_slot_mapping",
+])
+def test_mutation_gives_wrong_tokens(reference, mutation):
+    got = _run(1, mutation)
+    assert got["inspect"]["graphs"]["replayed"], "no graph was replayed"
+    assert got["outputs"] != reference, mutation
+
+
+@pytest.mark.parametrize("mutation,error", [
+    ("host_sync_in_attention",
+     "GraphCaptureError: Tensor.item() of a tensor the graph recorded"),
+    ("no_task_update", "GraphReplayError: graph replay reached an "
+     "ExternalEvent.wait that no task update recorded"),
+])
+def test_mutation_fails_clearly(mutation, error):
+    with pytest.raises(AssertionError, match="engine failed") as failure:
+        _run(1, mutation)
+    assert error in str(failure.value)
+
+
+def test_unaligned_capture_sizes_stay_correct(reference):
+    """Sizes that are not multiples of 1 + k: a captured verify batch then
+    ends with a partial request, and each replay pads the host lengths to
+    the captured batch, so the tokens stay right. The plugin still rounds
+    the sizes (no graph wastes a partial request's tokens)."""
+    got = _run(2, "unaligned_capture_sizes")
+    assert any(size % 3 for size in got["inspect"]["capture_sizes"])
+    assert got["outputs"] == reference
