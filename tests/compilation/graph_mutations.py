@@ -57,3 +57,20 @@ def unaligned_capture_sizes() -> None:
     """Capture the sizes as given, not rounded to multiples of 1 + k."""
     from vllm_ascend.compilation import graph_mode
     graph_mode.align_capture_sizes = lambda sizes, k: sizes
+
+
+def shared_task_store() -> None:
+    """One attention parameter store per graph size for the target and the
+    draft together: each replay updates the other's tasks too."""
+    from vllm_ascend.compilation.graph_wrapper import AscendGraphWrapper
+    store: dict[int, list] = {}
+    original = AscendGraphWrapper._capture
+
+    def capture(self, entry, key, args, kwargs):
+        output = original(self, entry, key, args, kwargs)
+        shared = store.setdefault(key[2], [])
+        shared.extend(entry.attention_tasks)
+        entry.attention_tasks = shared
+        return output
+
+    AscendGraphWrapper._capture = capture

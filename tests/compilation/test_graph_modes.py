@@ -63,12 +63,12 @@ def _accepted(run: dict) -> tuple:
             tuple(m["vllm:spec_decode_num_accepted_tokens_per_pos"]))
 
 
-def _sizes_of(keys, mode: str) -> dict[int, int]:
-    """{num_tokens: count} of the target's graphs of one runtime mode."""
+def _sizes_of(keys, mode: str, role: str = "target") -> dict[int, int]:
+    """{num_tokens: count} of one role's graphs of one runtime mode."""
     out: dict[int, int] = {}
     for key, n in keys.items():
-        role, runtime_mode, size = key.split(":")
-        if role == "target" and runtime_mode == mode:
+        key_role, runtime_mode, size = key.split(":")
+        if key_role == role and runtime_mode == mode:
             out[int(size)] = n
     return out
 
@@ -109,7 +109,13 @@ def test_graph_modes_match_eager_with_mtp(reference, k):
             assert sorted(full) == want_full, captured
             assert set(full.values()) == {1}, captured
             assert len(_sizes_of(replayed, "FULL")) >= 2, replayed
+            # The draft: one graph per capture size, replayed at each
+            # draft step that fits one.
+            draft = _sizes_of(captured, "FULL", role="draft")
+            assert sorted(draft) == want_sizes, captured
+            assert _sizes_of(replayed, "FULL", role="draft"), replayed
         else:
             assert not _sizes_of(captured, "FULL"), captured
+            assert not _sizes_of(captured, "FULL", role="draft"), captured
         if mode == "PIECEWISE":
             assert len(_sizes_of(replayed, "PIECEWISE")) >= 2, replayed

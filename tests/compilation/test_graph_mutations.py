@@ -39,6 +39,18 @@ def test_mutation_gives_wrong_tokens(reference, mutation):
     assert got["outputs"] != reference, mutation
 
 
+def test_shared_parameter_store_is_caught(reference):
+    """Target and draft graphs of one size sharing their attention tasks:
+    the draft's replay updates the target's tasks with the draft's batch
+    (and the reverse), so the run fails or its tokens are wrong."""
+    try:
+        got = _run(1, "shared_task_store")
+    except AssertionError as failure:
+        assert "engine failed" in str(failure)
+    else:
+        assert got["outputs"] != reference
+
+
 @pytest.mark.parametrize("mutation,error", [
     ("host_sync_in_attention",
      "GraphCaptureError: Tensor.item() of a tensor the graph recorded"),

@@ -68,13 +68,13 @@ def test_npu_paths_equal_reference_device(setup, graph_mode_run):
     _check_reference(graph_mode_run, setup)
     info = graph_mode_run["inspect"]
     # The NPU configuration path: vLLM's capture sizes, custom ops on
-    # (inductor off), piecewise graphs by default, captured with the
-    # double's torch.npu.NPUGraph (the emulator) for every size and
-    # replayed while decoding.
+    # (inductor off), vLLM's default graph mode (FULL_AND_PIECEWISE),
+    # captured with the double's torch.npu.NPUGraph (the emulator) for
+    # every size and replayed while decoding.
     assert info["capture_sizes"] == sorted(CAPTURE_SIZES, reverse=True)
     assert info["use_inductor"] is False and info["custom_rms_norm"] is True
     assert info["compilation_level"] == 3
-    assert info["cudagraph_mode"] == "PIECEWISE"
+    assert info["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     captured = {int(key.rsplit(":", 1)[1])
                 for key in info["graphs"]["captured"]}
     assert captured == set(CAPTURE_SIZES)
@@ -93,7 +93,7 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
 
 @pytest.mark.parametrize("k,mode", [
     (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48,
-             compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
                                  "cudagraph_capture_sizes": CAPTURE_SIZES})),
     (2, dict(num_gpu_blocks_override=3)),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
@@ -113,11 +113,13 @@ def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
     assert got["inspect"]["draft_embed_ptr"] == got["inspect"][
         "target_embed_ptr"]
     if "compilation_config" in mode:
-        # Verify batches replayed full graphs: the fused attention's .out
-        # launches updated through the double's task-update contract.
+        # Verify batches and draft steps replayed full graphs: the fused
+        # attention's .out launches updated through the double's
+        # task-update contract.
         graphs = got["inspect"]["graphs"]
-        assert any(":FULL:" in key for key in graphs["captured"]), graphs
-        assert any(":FULL:" in key for key in graphs["replayed"]), graphs
+        for role in ("target", "draft"):
+            assert any(key.startswith(f"{role}:FULL:")
+                       for key in graphs["replayed"]), graphs
 
 
 def test_dp2_ep_mtp_equals_reference(setup):

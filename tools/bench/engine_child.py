@@ -86,6 +86,22 @@ def _install_forward_timers(worker) -> bool:
 
     def timed(name: str, module) -> None:
         rec = stats.setdefault(name, {"calls": 0, "seconds": 0.0})
+        if not isinstance(module, torch.nn.Module):
+            # A full-graph wrapper: a replay runs no module forward, so the
+            # wrapper's calls are what is timed.
+            base = type(module)
+
+            def call(self, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return base.__call__(self, *args, **kwargs)
+                finally:
+                    rec["calls"] += 1
+                    rec["seconds"] += time.perf_counter() - start
+
+            module.__class__ = type(f"Timed{base.__name__}", (base, ),
+                                    {"__call__": call})
+            return
         started: list[float] = []
         module.register_forward_pre_hook(
             lambda *_: started.append(time.perf_counter()))

@@ -38,6 +38,8 @@ class AttentionTask:
     scale: float
     output: torch.Tensor
     num_reqs: int
+    # The slots the graph's KV writes read (the builder's buffer).
+    slot_mapping: torch.Tensor
 
 
 _collecting: Optional[list[AttentionTask]] = None
@@ -83,7 +85,8 @@ def launch_task(layer_name: str, ops: "PagedAttentionOps",
     _collecting.append(
         AttentionTask(layer_name, ops, handle, event,
                       (query, key_cache, value_cache, metadata.block_tables),
-                      scale, output, metadata.num_reqs))
+                      scale, output, metadata.num_reqs,
+                      metadata.slot_mapping))
 
 
 def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
@@ -111,13 +114,24 @@ def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
     return query_ends, seq_lens
 
 
-def update_tasks(tasks: list[AttentionTask],
-                 attn_metadata: dict[str, "AscendAttentionMetadata"]) -> None:
-    """Give every captured attention launch this batch's lengths."""
+def update_tasks(
+        tasks: list[AttentionTask],
+        attn_metadata: Optional[dict[str, "AscendAttentionMetadata"]]
+) -> None:
+    """Give every captured attention launch this batch's lengths.
+
+    A dummy batch (an idle DP rank) has no metadata: the launches keep
+    their last lengths, valid for the graph, and no KV is written (its
+    slots are set to padding); the outputs are not read."""
     from vllm_ascend.compilation.graph_wrapper import (current_stream,
                                                        device_graph_api)
     api = device_graph_api()
     stream = current_stream()
+    if not attn_metadata:
+        for task in tasks:
+            task.slot_mapping.fill_(-1)
+            task.event.record(stream)
+        return
     for task in tasks:
         query, key_cache, value_cache, block_table = task.tensors
         query_ends, seq_lens = host_arguments(attn_metadata[task.layer_name],

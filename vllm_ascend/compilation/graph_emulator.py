@@ -17,9 +17,9 @@ or an output whose shape depends on data (``nonzero``, boolean-mask indexing,
 A kernel is one recorded call: a torch op outside ``aten`` (a library's
 registered kernel) or a Python function marked with :func:`kernel` (the CPU
 reference kernels, the torch_npu double's ops); what it does inside is not
-recorded, its host arguments are frozen. vLLM's own custom ops
-(``torch.ops.vllm.*``: attention, MoE dispatch) are Python wrappers, not
-kernels: the capture records what runs inside them, as a device graph would.
+recorded, its host arguments are frozen. vLLM's attention custom ops
+(``torch.ops.vllm.unified_attention*``) are Python wrappers, not kernels:
+the capture records what runs inside them, as a device graph would.
 
 Task groups and task updates follow torch_npu's contract
 (``graph_task_group_begin/end``, ``graph_task_update_begin/end``,
@@ -61,6 +61,15 @@ _DATA_DEPENDENT_OPS = {
 }
 _HOST_METHODS = ("item", "tolist", "cpu", "numpy")
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _framework_ops() -> set:
+    """vLLM's attention custom ops: Python code around the backend's
+    kernels, which a full graph holds one by one. (vLLM's other custom ops,
+    e.g. the MoE dispatch under data parallelism, stay one call.)"""
+    import vllm.attention.layer  # noqa: F401  (registers them)
+    return {torch.ops.vllm.unified_attention.default,
+            torch.ops.vllm.unified_attention_with_output.default}
 
 
 def _may_alias(func) -> bool:
@@ -153,11 +162,17 @@ class TaskGroup:
     nodes: list[_Node] = field(default_factory=list)
 
 
+_FRAMEWORK_OPS: Optional[set] = None
+
+
 class _Recorder(TorchDispatchMode):
 
     def __init__(self, graph: "EmulatedGraph") -> None:
         super().__init__()
         self.graph = graph
+        global _FRAMEWORK_OPS
+        if _FRAMEWORK_OPS is None:
+            _FRAMEWORK_OPS = _framework_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -170,8 +185,8 @@ class _Recorder(TorchDispatchMode):
                 f"{func} during graph capture: its output shape depends on "
                 "tensor values (nonzero, boolean-mask indexing, unique); use "
                 "a static-shape formulation (torch.where, masks)")
-        if func.namespace == "vllm":
-            # A framework wrapper (attention, MoE): record its insides.
+        if func in _FRAMEWORK_OPS:
+            # vLLM's attention op is a Python wrapper: record its insides.
             with self:
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
         result = func(*args, **kwargs)
@@ -188,6 +203,9 @@ class _Updater(TorchDispatchMode):
         self.index = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _may_alias(func):
+            # A view launches nothing: it runs, as the caller's host code.
+            return func(*args, **(kwargs or {}))
         return self.replace(func, args, kwargs or {})
 
     def replace(self, func, args, kwargs) -> None:
@@ -282,7 +300,8 @@ class EmulatedGraph:
         node = _Node(func, *tree_map(lambda x: x, (args, kwargs)), outputs,
                      kind)
         self._nodes.append(node)
-        if self._group is not None:
+        if self._group is not None and kind != "alias":
+            # A view launches no task: the group holds the kernels.
             self._group.nodes.append(node)
 
     def _guard_host_methods(self) -> None:

@@ -12,6 +12,10 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from vllm_ascend.spec_decode.draft_graphs import (DraftGraphWrapper,
+                                                 capture_draft_graphs,
+                                                 draft_graphs_enabled)
+
 logger = init_logger(__name__)
 
 GLM4_MOE_MTP_ARCH = "Glm4MoeMTPModel"
@@ -40,11 +44,22 @@ class AscendMtpProposer(EagleProposer):
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
         shared = getattr(self.model, "target_shared", {})
+        graphs = self.use_cuda_graph and draft_graphs_enabled(self.vllm_config)
+        if graphs:
+            self.model = DraftGraphWrapper(self.model, self.vllm_config)
         logger.info(
             "GLM-4.5 MTP draft: %d attention layer(s) %s in the target's KV "
-            "cache group; shares the target's %s.",
+            "cache group; shares the target's %s; runs %s.",
             len(self.attn_layer_names), self.attn_layer_names,
-            ", ".join(name for name, n in shared.items() if n) or "nothing")
+            ", ".join(name for name, n in shared.items() if n) or "nothing",
+            "full graphs" if graphs else "eager")
+
+    def capture_graphs(self) -> int:
+        """Capture the draft's graphs (after the target's); the bytes of
+        their pool."""
+        if not isinstance(self.model, DraftGraphWrapper):
+            return 0
+        return capture_draft_graphs(self)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:

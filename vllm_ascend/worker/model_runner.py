@@ -92,6 +92,10 @@ class AscendModelRunner(GPUModelRunner):
         the graph pools took (on the CPU: what the emulator recorded)."""
         with _device_capture_env():
             graph_bytes = super().capture_model()
+            capture_draft = getattr(getattr(self, "drafter", None),
+                                    "capture_graphs", None)
+            if capture_draft is not None:
+                graph_bytes += capture_draft()
         logger.info(
             "Captured %d graph(s) for %s; graph pool %.2f MiB.",
             sum(graph_stats.captured.values()),
