@@ -74,6 +74,9 @@ class BenchConfig:
     # One thread: on a shared 2-core host, torch's OpenMP threads spin when
     # another process holds a core and a step takes 10-50x longer.
     threads: Optional[int] = 1
+    # "default" (vLLM's: graphs), "eager" (--enforce-eager) or a
+    # cudagraph_mode name.
+    graph_mode: str = "default"
 
     def validate(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -130,11 +133,16 @@ def engine_kwargs(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
         raise ValueError(f"--max-model-len {max_len} is below the longest "
                          f"prompt ({longest}) + --new-tokens + k; use >= "
                          f"{need}")
-    return dict(model=str(cfg.model), skip_tokenizer_init=True,
-                dtype=cfg.dtype, max_model_len=max_len,
-                max_num_seqs=max(cfg.batch_sizes), seed=0,
-                enable_prefix_caching=False,
-                kv_cache_memory_bytes=cfg.kv_cache_bytes)
+    engine = dict(model=str(cfg.model), skip_tokenizer_init=True,
+                  dtype=cfg.dtype, max_model_len=max_len,
+                  max_num_seqs=max(cfg.batch_sizes), seed=0,
+                  enable_prefix_caching=False,
+                  kv_cache_memory_bytes=cfg.kv_cache_bytes)
+    if cfg.graph_mode == "eager":
+        engine["enforce_eager"] = True
+    elif cfg.graph_mode != "default":
+        engine["compilation_config"] = {"cudagraph_mode": cfg.graph_mode}
+    return engine
 
 
 def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],

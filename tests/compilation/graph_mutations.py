@@ -18,12 +18,6 @@ def stale_attention_lengths() -> None:
     attention_tasks.update_tasks = record_only
 
 
-def no_task_update() -> None:
-    """Replay without any task update."""
-    from vllm_ascend.compilation import attention_tasks
-    attention_tasks.update_tasks = lambda tasks, attn_metadata: None
-
-
 def rebound_slot_mapping() -> None:
     """Rebind the slot-mapping buffer each step instead of copying into
     the one the graphs captured."""

@@ -51,9 +51,6 @@ def _graph_mode(cudagraph_mode: str) -> dict:
                                     ORIGINAL_SIZES})
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _run(0, enforce_eager=True)["outputs"]
 
 
 def _accepted(run: dict) -> tuple:

@@ -120,6 +120,14 @@ def _install_forward_timers(worker) -> bool:
     return True
 
 
+def _graph_info(worker) -> dict[str, Any]:
+    """Graphs the plugin captured in this engine (target and draft)."""
+    from vllm_ascend.compilation.graph_wrapper import graph_stats
+    return {"captured": sum(graph_stats.captured.values()),
+            "pool_bytes": graph_stats.pool_bytes,
+            "capture_s": graph_stats.capture_seconds}
+
+
 def _forward_stats(worker) -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in worker.bench_forward_stats.items()}
 
@@ -137,6 +145,18 @@ def forward_time(before: dict, after: dict) -> dict[str, Any]:
         out["draft_over_target"] = (out["draft_ms_per_forward"] /
                                     out["target_ms_per_forward"])
     return out
+
+
+def host_ms_per_step(before: dict, after: dict, window_s: float):
+    """Wall time of the timed runs outside the target and draft forwards
+    (scheduling, input preparation, sampling, the drafter's bookkeeping),
+    per target step."""
+    steps = after["target"]["calls"] - before["target"]["calls"]
+    if not steps:
+        return None
+    forwards = sum(after[name]["seconds"] - before[name]["seconds"]
+                   for name in after)
+    return 1000 * (window_s - forwards) / steps
 
 
 def peak_rss_bytes() -> int:
@@ -174,6 +194,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     timed_generate(llm, prompts, spec["warmup_tokens"])
     start = snapshot(llm)
     forwards_before = llm.collective_rpc(_forward_stats)[0]
+    window_start = time.perf_counter()
     runs = []
     decode_hist = {"sum": 0.0, "count": 0}
     outputs = None
@@ -199,11 +220,14 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
                      decode_tokens_per_s(t_full, t_one, batch, n),
                      "decode_tokens_per_cpu_s":
                      decode_tokens_per_s(cpu_full, cpu_one, batch, n)})
+    window = time.perf_counter() - window_start
     end = snapshot(llm)
+    forwards_after = llm.collective_rpc(_forward_stats)[0]
     result: dict[str, Any] = {
         "batch_size": batch,
-        "forward_time": forward_time(forwards_before,
-                                     llm.collective_rpc(_forward_stats)[0]),
+        "forward_time": forward_time(forwards_before, forwards_after),
+        "host_ms_per_step": host_ms_per_step(forwards_before, forwards_after,
+                                             window),
         "runs": runs,
         "decode_tokens_per_s": median(
             [r["decode_tokens_per_s"] for r in runs]),
@@ -267,6 +291,7 @@ def main(spec_path: str) -> None:
                    "drafter_weights_bytes": weights["drafter"],
                    "kv_cache_bytes_configured":
                    engine.get("kv_cache_memory_bytes")},
+        "graphs": llm.collective_rpc(_graph_info)[0],
         "batches": batches,
     })
 

@@ -89,6 +89,16 @@ def launch_task(layer_name: str, ops: "PagedAttentionOps",
                       metadata.slot_mapping))
 
 
+def fits(num_reqs: int, num_tokens: int, captured_reqs: int,
+         captured_tokens: int) -> bool:
+    """Whether a batch can replay a graph captured for ``captured_reqs``
+    requests and ``captured_tokens`` tokens: its padding tokens need a
+    padding request to belong to."""
+    if num_reqs > captured_reqs or num_tokens > captured_tokens:
+        return False
+    return num_tokens == captured_tokens or num_reqs < captured_reqs
+
+
 def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
                    num_tokens: int) -> tuple[list[int], list[int]]:
     """The kernel's cumulative query lengths and context lengths for this
@@ -100,7 +110,7 @@ def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
     missing_reqs = num_reqs - len(query_ends)
     end = query_ends[-1] if query_ends else 0
     missing_tokens = num_tokens - end
-    if missing_reqs < 0 or (missing_tokens and not missing_reqs):
+    if not fits(len(query_ends), end, num_reqs, num_tokens):
         raise RuntimeError(
             f"a batch of {len(query_ends)} request(s) and {end} token(s) "
             f"does not fit a graph captured for {num_reqs} request(s) and "

@@ -33,6 +33,7 @@ class GraphStats:
     captured: Counter = dataclasses.field(default_factory=Counter)
     replayed: Counter = dataclasses.field(default_factory=Counter)
     pool_bytes: int = 0
+    capture_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         key = lambda k: f"{k[0]}:{k[1]}:{k[2]}"  # noqa: E731
@@ -40,6 +41,7 @@ class GraphStats:
             "captured": {key(k): v for k, v in self.captured.items()},
             "replayed": {key(k): v for k, v in self.replayed.items()},
             "pool_bytes": self.pool_bytes,
+            "capture_seconds": self.capture_seconds,
         }
 
 

@@ -6,8 +6,9 @@ capture: the draft is captured whole, one graph per capture size, with
 ``min(size, max_num_seqs)`` requests; since every length the attention
 kernel sees is a host argument updated before each replay (padded to the
 captured requests), a graph replays any draft step of at most that many
-requests and tokens: the first step over the verify batch (1 + k tokens per
-request) and the later ones (one token per request, padded to a size).
+requests and tokens (with room for its padding tokens): the first step over
+the verify batch (1 + k tokens per request) and the later ones (one token
+per request, padded to a size); a step that does not fit runs eager.
 Its attention tasks live in its own entries, apart from the target's.
 """
 
@@ -22,6 +23,7 @@ from vllm.forward_context import (BatchDescriptor, get_forward_context,
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.utils import CommonAttentionMetadata
 
+from vllm_ascend.compilation import attention_tasks
 from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
                                                    graph_stats)
 
@@ -57,9 +59,10 @@ class DraftGraphWrapper(AscendGraphWrapper):
         if not metadata:
             return False
         batch = next(iter(metadata.values()))
-        return all(batch.num_reqs <= task.num_reqs
-                   and batch.num_actual_tokens <= num_tokens
-                   for task in entry.attention_tasks)
+        return all(
+            attention_tasks.fits(batch.num_reqs, batch.num_actual_tokens,
+                                 task.num_reqs, num_tokens)
+            for task in entry.attention_tasks)
 
     def __call__(self, *args, **kwargs):
         num_tokens = kwargs["positions"].shape[0]

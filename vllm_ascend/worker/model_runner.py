@@ -7,6 +7,7 @@ rejection sampler (vLLM's is triton-only) and the MTP proposer.
 """
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Optional, Union
 from unittest.mock import patch
 
@@ -90,17 +91,19 @@ class AscendModelRunner(GPUModelRunner):
     def capture_model(self) -> int:
         """vLLM's capture of every size, on the device's graphs; the bytes
         the graph pools took (on the CPU: what the emulator recorded)."""
+        start = time.perf_counter()
         with _device_capture_env():
             graph_bytes = super().capture_model()
             capture_draft = getattr(getattr(self, "drafter", None),
                                     "capture_graphs", None)
             if capture_draft is not None:
                 graph_bytes += capture_draft()
+        graph_stats.capture_seconds = time.perf_counter() - start
         logger.info(
-            "Captured %d graph(s) for %s; graph pool %.2f MiB.",
+            "Captured %d graph(s) for %s in %.1f s; graph pool %.2f MiB.",
             sum(graph_stats.captured.values()),
             sorted({key[2] for key in graph_stats.captured}, reverse=True),
-            graph_bytes / (1 << 20))
+            graph_stats.capture_seconds, graph_bytes / (1 << 20))
         return graph_bytes
 
     def _init_device_properties(self) -> None:
