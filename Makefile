@@ -52,7 +52,7 @@ rebase-check: $(STAMP)
 	cd tools && ../$(PY) rebase_check.py $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
 test: $(STAMP) apply
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 	$(PY) tools/vllm_tree.py check
 
 lint: $(STAMP)
