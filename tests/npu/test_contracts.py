@@ -75,6 +75,30 @@ def test_attention_documented_limits(tnpu, change, match):
         _fia(tnpu, _attention_args(**change))
 
 
+def test_attention_out_variant_writes_into_out(tnpu):
+    """``.out``: what a captured launch and its task updates share."""
+    (q, k, v), kwargs = args = _attention_args()
+    want, _ = _fia(tnpu, args)
+    out, lse = torch.empty_like(q), torch.empty(1)
+    tnpu.npu_fused_infer_attention_score.out(q, k, v, **kwargs,
+                                             out=[out, lse])
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("out,match", [
+    (lambda q: [torch.empty(q.shape[0] + 1, *q.shape[1:], dtype=q.dtype),
+                torch.empty(1)], "must match query"),
+    (lambda q: [torch.empty_like(q, dtype=torch.float32), torch.empty(1)],
+     "must match query"),
+    (lambda q: [torch.empty_like(q)], r"out must be \[attention_out"),
+], ids=["rows", "dtype", "no-lse"])
+def test_attention_out_variant_limits(tnpu, out, match):
+    (q, k, v), kwargs = _attention_args()
+    with pytest.raises(RuntimeError, match=match):
+        tnpu.npu_fused_infer_attention_score.out(q, k, v, **kwargs,
+                                                 out=out(q))
+
+
 def test_attention_decode_allows_small_blocks(tnpu):
     # Q_S == 1: block_size only needs 16-alignment.
     args = _attention_args(block_size=16, q_lens=(1, 1), kv_lens=(5, 30))
