@@ -51,9 +51,15 @@ check-patches: $(STAMP)
 rebase-check: $(STAMP)
 	cd tools && ../$(PY) rebase_check.py $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
+# The series check (mostly interpreter start-ups, one core) runs next to the
+# tests; its output follows theirs. Both must pass.
 test: $(STAMP) apply
-	$(PY) -m pytest -q --durations=25 tests
-	$(PY) tools/vllm_tree.py check
+	@log=$$(mktemp); \
+	$(PY) tools/vllm_tree.py check > $$log 2>&1 & check=$$!; \
+	$(PY) -m pytest -q --durations=25 tests; tests=$$?; \
+	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
+	echo "make test: tests exit $$tests, series check exit $$checked"; \
+	[ $$tests -eq 0 ] && [ $$checked -eq 0 ]
 
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_ascend tests tools

@@ -1,9 +1,38 @@
 import pytest
 
+from tests.compilation import graph_mutations
+from tests.e2e.engine import run_engines
+
+GRAPH_MODES = ("PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
 
 @pytest.fixture(scope="session")
-def reference():
+def graph_runs() -> dict:
+    """Every engine run of the graph-mode and mutation tests, two at a time
+    (2 cores): the no-MTP eager reference, eager and each graph mode with
+    MTP k = 1, 2, and each mutation. Keys: ``"reference"``, ``(k, mode)``,
+    ``("mutation", name)``."""
+    from tests.compilation.test_graph_modes import _graph_mode, _job
+    jobs = {"reference": _job(0, enforce_eager=True)}
+    for k in (1, 2):
+        jobs[(k, "eager")] = _job(k, enforce_eager=True)
+        for mode in GRAPH_MODES:
+            jobs[(k, mode)] = _job(k, **_graph_mode(mode))
+    for name, k in graph_mutations.RUNS.items():
+        jobs[("mutation", name)] = _job(
+            k, setup=f"{graph_mutations.__name__}:{name}",
+            **_graph_mode("FULL_DECODE_ONLY"))
+    return run_engines(jobs)
+
+
+def _result(run):
+    if isinstance(run, BaseException):
+        raise run
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference(graph_runs):
     """Greedy tokens of the graph-mode test batch, eager and without MTP:
     what every graph mode and k must give."""
-    from tests.compilation.test_graph_modes import _run
-    return _run(0, enforce_eager=True)["outputs"]
+    return _result(graph_runs["reference"])["outputs"]

@@ -5,6 +5,11 @@ starts (``run_engine(..., setup="tests.compilation.graph_mutations:NAME")``).
 
 import torch
 
+# The mutations the engine tests run, with their k (FULL_DECODE_ONLY).
+RUNS = {"stale_attention_lengths": 1, "rebound_slot_mapping": 1,
+        "shared_task_store": 1, "host_sync_in_attention": 1,
+        "unaligned_capture_sizes": 2}
+
 
 def stale_attention_lengths() -> None:
     """Replay without updating the attention tasks (the event is recorded,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import run_engine
+from tests.compilation.conftest import GRAPH_MODES, _result
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
 ORIGINAL_SIZES = [1, 4, 8, 16, 32, 48, 64]
@@ -37,12 +37,14 @@ def _engine(k: int, **mode) -> dict:
     return engine
 
 
-def _run(k: int, **mode) -> dict:
+def _job(k: int, setup: str | None = None, **mode) -> dict:
+    """``run_engine`` arguments for the test batch with MTP k (0: none)."""
     prompts = _prompts()
     # Staggered lengths: requests finish at different steps.
     sampling = [dict(temperature=0, max_tokens=MAX_NEW - (i % 4),
                      ignore_eos=True) for i in range(len(prompts))]
-    return run_engine(_engine(k, **mode), prompts, sampling, inspect=True)
+    return dict(engine=_engine(k, **mode), prompts=prompts,
+                sampling=sampling, inspect=True, setup=setup)
 
 
 def _graph_mode(cudagraph_mode: str) -> dict:
@@ -71,8 +73,8 @@ def _sizes_of(keys, mode: str, role: str = "target") -> dict[int, int]:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_graph_modes_match_eager_with_mtp(reference, k):
-    eager = _run(k, enforce_eager=True)
+def test_graph_modes_match_eager_with_mtp(graph_runs, reference, k):
+    eager = _result(graph_runs[(k, "eager")])
     assert eager["outputs"] == reference
     assert eager["inspect"]["graphs"]["captured"] == {}
     assert eager["metrics"]["vllm:num_preemptions"] > 0
@@ -83,8 +85,8 @@ def test_graph_modes_match_eager_with_mtp(reference, k):
     # Full graphs hold uniform batches: up to max_num_seqs requests of
     # 1 + k tokens.
     want_full = [s for s in want_sizes if step <= s <= 16 * step]
-    for mode in ["PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]:
-        run = _run(k, **_graph_mode(mode))
+    for mode in GRAPH_MODES:
+        run = _result(graph_runs[(k, mode)])
         info = run["inspect"]
         assert run["outputs"] == reference, mode
         assert _accepted(run) == _accepted(eager), mode

@@ -37,6 +37,25 @@ def run_engine(engine: dict, prompts: list[list[int]], sampling,
         proc.stdout.strip().splitlines()) if line.startswith("{")))
 
 
+def run_engines(jobs: dict, workers: int = 2) -> dict:
+    """``run_engine`` for each ``{key: kwargs}`` job, ``workers`` engines at
+    a time with one torch thread each; ``{key: result}``, or the
+    AssertionError of an engine that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(kwargs: dict):
+        env = {"OMP_NUM_THREADS": "1", **(kwargs.pop("env", None) or {})}
+        try:
+            return run_engine(**kwargs, env=env)
+        except AssertionError as failure:
+            return failure
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {key: pool.submit(one, dict(kwargs))
+                   for key, kwargs in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]],
               max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations from transformers' Glm4MoeForCausalLM."""
