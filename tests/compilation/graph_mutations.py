@@ -8,7 +8,7 @@ import torch
 # The mutations the engine tests run, with their k (FULL_DECODE_ONLY).
 RUNS = {"stale_attention_lengths": 1, "rebound_slot_mapping": 1,
         "shared_task_store": 1, "host_sync_in_attention": 1,
-        "unaligned_capture_sizes": 2}
+        "boolean_mask_in_draft": 1, "unaligned_capture_sizes": 2}
 
 
 def stale_attention_lengths() -> None:
@@ -73,3 +73,20 @@ def shared_task_store() -> None:
         return output
 
     AscendGraphWrapper._capture = capture
+
+
+def boolean_mask_in_draft() -> None:
+    """The MTP layer's position-0 mask as a boolean index write (what patch
+    0007 removed): the row count needs a host sync."""
+    from vllm.model_executor.models.glm4_moe_mtp import (
+        Glm4MoeMultiTokenPredictorLayer as Layer)
+    original = Layer.forward
+
+    def forward(self, input_ids, positions, previous_hidden_states,
+                inputs_embeds=None, spec_step_index=0):
+        inputs_embeds = inputs_embeds.clone()
+        inputs_embeds[positions == 0] = 0
+        return original(self, input_ids, positions, previous_hidden_states,
+                        inputs_embeds, spec_step_index)
+
+    Layer.forward = forward

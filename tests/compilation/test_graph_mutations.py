@@ -46,6 +46,15 @@ def test_host_sync_in_a_captured_forward_fails_capture(graph_runs):
             "recorded") in str(failure)
 
 
+def test_host_sync_in_the_draft_forward_fails_capture(graph_runs):
+    """The MTP layer's position-0 mask written with a boolean index, as
+    before patch 0007: the draft graph's capture fails and names the op."""
+    failure = graph_runs[("mutation", "boolean_mask_in_draft")]
+    assert isinstance(failure, AssertionError), "the capture did not fail"
+    assert "GraphCaptureError: aten.index_put_" in str(failure)
+    assert "depends on tensor values" in str(failure)
+
+
 def test_unaligned_capture_sizes_stay_correct(graph_runs, reference):
     """Sizes that are not multiples of 1 + k: a captured verify batch then
     ends with a partial request, and each replay pads the host lengths to
