@@ -55,8 +55,11 @@ def inspect_runner(worker) -> dict:
             ],
             draft_embed_ptr=draft.model.embed_tokens.weight.data_ptr(),
             target_embed_ptr=target.model.embed_tokens.weight.data_ptr(),
-            draft_lm_head_ptr=draft.lm_head.weight.data_ptr()
-            if getattr(draft, "lm_head", None) is not None else None,
+            # The heads the MTP layers compute their logits with.
+            draft_lm_head_ptrs=sorted({
+                layer.shared_head.head.weight.data_ptr()
+                for layer in draft.model.layers.values()
+            }),
             target_lm_head_ptr=target.lm_head.weight.data_ptr(),
             drafter_class=type(drafter).__name__,
         )

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from tests.e2e.checkpoints import BASE, write_random_glm45
-from tests.e2e.engine import run_engine
+from tests.e2e.engine import run_engine, run_engines
 
 MAX_NEW = 24
 KV_BYTES = 16 << 20
@@ -96,9 +96,30 @@ def test_draft_shares_kv_cache_pool_and_block_tables(k1_run):
 
 def test_draft_shares_embedding_and_lm_head(k1_run):
     info = k1_run["inspect"]
-    # No vocab-sized tensor of its own: the checkpoint's MTP copies equal
-    # the target's, so the draft points at the target's storage.
+    # No vocab-sized tensor of its own: the draft runs on the target's
+    # embedding and LM head modules (patch 0005).
     assert info["draft_own_vocab_params"] == []
     assert info["draft_embed_ptr"] == info["target_embed_ptr"]
-    assert info["draft_lm_head_ptr"] == info["target_lm_head_ptr"]
+    assert info["draft_lm_head_ptrs"] == [info["target_lm_head_ptr"]]
     assert info["drafter_class"] == "AscendMtpProposer"
+
+
+def test_every_mtp_method_name_serves_the_same(setup, k1_run):
+    """`deepseek_mtp` (how GLM-4.5/4.6 were served before `glm4_moe_mtp`
+    was accepted) and `mtp` run the same draft: same tokens, same
+    acceptance."""
+    engine, prompts, sampling, _ = setup
+    engine = dict(engine, enable_chunked_prefill=True,
+                  max_num_batched_tokens=48)
+    runs = run_engines({
+        method: dict(engine=dict(engine, speculative_config=dict(
+            method=method, num_speculative_tokens=1)),
+                     prompts=prompts, sampling=sampling)
+        for method in ("mtp", "deepseek_mtp")
+    })
+    for method, got in runs.items():
+        assert not isinstance(got, AssertionError), f"{method}: {got}"
+        assert got["outputs"] == k1_run["outputs"], method
+        for name in ("vllm:spec_decode_num_drafts",
+                     "vllm:spec_decode_num_accepted_tokens"):
+            assert got["metrics"][name] == k1_run["metrics"][name], name

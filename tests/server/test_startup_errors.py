@@ -145,7 +145,7 @@ def test_unknown_device(outcomes):
 def test_mtp_on_checkpoint_without_mtp_layers(outcomes):
     _assert_fails_with(
         outcomes["mtp_without_mtp_layers"],
-        "has no MTP layers (num_nextn_predict_layers is 0), so GLM-4.5 MTP "
+        "has no MTP layers (num_nextn_predict_layers is 0), so MTP "
         "speculative decoding cannot run")
 
 

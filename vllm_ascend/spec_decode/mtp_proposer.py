@@ -38,12 +38,26 @@ def check_mtp_config(vllm_config: VllmConfig) -> None:
             f"{MAX_MTP_SPECULATIVE_TOKENS}); lower it in --speculative-config.")
 
 
+def shared_with_target(draft: torch.nn.Module,
+                       target: torch.nn.Module) -> list[str]:
+    """The target modules a GLM-4.5 MTP draft runs on (patch 0005): its
+    embedding, and its LM head when every MTP layer's head is it."""
+    shared = []
+    if draft.model.embed_tokens is getattr(target.model, "embed_tokens",
+                                           None):
+        shared.append("embed_tokens")
+    heads = {id(layer.shared_head.head) for layer in draft.model.layers.values()}
+    if heads == {id(getattr(target, "lm_head", None))}:
+        shared.append("lm_head")
+    return shared
+
+
 class AscendMtpProposer(EagleProposer):
     """Drafts with the GLM-4.5 MTP layer, applied ``k`` times."""
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        shared = getattr(self.model, "target_shared", {})
+        shared = shared_with_target(self.model, target_model)
         graphs = self.use_cuda_graph and draft_graphs_enabled(self.vllm_config)
         if graphs:
             self.model = DraftGraphWrapper(self.model, self.vllm_config)
@@ -51,7 +65,7 @@ class AscendMtpProposer(EagleProposer):
             "GLM-4.5 MTP draft: %d attention layer(s) %s in the target's KV "
             "cache group; shares the target's %s; runs %s.",
             len(self.attn_layer_names), self.attn_layer_names,
-            ", ".join(name for name, n in shared.items() if n) or "nothing",
+            " and ".join(shared) or "nothing",
             "full graphs" if graphs else "eager")
 
     def capture_graphs(self) -> int:
