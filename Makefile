@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_PINS := -c requirements-build.txt -c requirements-lock.txt
 
-.PHONY: install vllm apply export check-patches rebase-check test demo lint clean
+.PHONY: install vllm apply export check-patches rebase-check test nightly demo lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ test: $(STAMP) apply
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \
 	[ $$tests -eq 0 ] && [ $$checked -eq 0 ]
+
+# Nightly regression against benchmarks/nightly/baseline.json (runs and the
+# trend page in benchmarks/nightly/runs); NIGHTLY_ARGS="--smoke", "--model
+# PATH", "--device npu --preset original", "--update-baseline".
+nightly: $(STAMP) apply
+	$(PY) tools/nightly.py $(NIGHTLY_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_ascend tests tools

@@ -77,6 +77,13 @@ class BenchConfig:
     # "default" (vLLM's: graphs), "eager" (--enforce-eager) or a
     # cudagraph_mode name.
     graph_mode: str = "default"
+    # Keep each batch's greedy token ids in the result (else a digest).
+    keep_outputs: bool = False
+    # "module:function" each engine process calls before it starts: a
+    # deliberate change (the nightly's regression tests inject them).
+    setup: Optional[str] = None
+    # Engine arguments on top of these (a preset's parallel layout).
+    engine_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -138,10 +145,14 @@ def engine_kwargs(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
                   max_num_seqs=max(cfg.batch_sizes), seed=0,
                   enable_prefix_caching=False,
                   kv_cache_memory_bytes=cfg.kv_cache_bytes)
+    engine.update(cfg.engine_overrides)
     if cfg.graph_mode == "eager":
         engine["enforce_eager"] = True
     elif cfg.graph_mode != "default":
-        engine["compilation_config"] = {"cudagraph_mode": cfg.graph_mode}
+        engine["compilation_config"] = {
+            **engine.get("compilation_config", {}),
+            "cudagraph_mode": cfg.graph_mode
+        }
     return engine
 
 
@@ -152,7 +163,7 @@ def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
             "num_speculative_tokens": k, "prompts": prompts,
             "batch_sizes": cfg.batch_sizes, "new_tokens": cfg.new_tokens,
             "repeats": cfg.repeats, "warmup_tokens": cfg.warmup_tokens,
-            "threads": cfg.threads}
+            "threads": cfg.threads, "setup": cfg.setup}
     env = dict(os.environ, VLLM_ASCEND_DEVICE=cfg.device,
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if cfg.threads:
@@ -222,7 +233,9 @@ def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
     comparison = compare(configs)
     for c in configs:
         for b in c["batches"]:
-            b["outputs_sha1"] = outputs_digest(b.pop("outputs"))
+            b["outputs_sha1"] = outputs_digest(b["outputs"])
+            if not cfg.keep_outputs:
+                del b["outputs"]
     return {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -170,3 +170,50 @@ def test_pool_bytes_count_what_the_capture_allocated():
     x = torch.zeros(256)
     graph, _ = _capture(lambda: (x + 1) * 2)
     assert graph.pool_bytes == 2 * 256 * 4
+
+
+def _collective_replays(rank: int, port: int, queue) -> None:
+    """Capture an all-reduce between two ops on a gloo rank, replay it with
+    new inputs; the number of replays that read a stale sum."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)
+    try:
+        x = torch.zeros(1 << 16)
+        out = torch.zeros(1 << 16)
+
+        def forward():
+            y = x * 1.0
+            dist.all_reduce(y)  # gloo runs it on its own thread
+            out.copy_(y + 0)
+
+        graph, _ = _capture(forward)
+        stale = 0
+        for i in range(20):
+            x.fill_(rank + 1 + i)
+            graph.replay()
+            stale += not torch.all(out == (1 + i) + (2 + i))
+        queue.put((rank, stale))
+    except Exception as e:  # reported by the test, not lost in a child
+        queue.put((rank, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replayed_collective_completes_before_the_ops_after_it():
+    """A device stream orders a collective before the ops that read it;
+    the replay waits on it too (a TP all-reduce in graph mode)."""
+    import multiprocessing
+
+    from vllm.utils import get_open_port
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    port = get_open_port()
+    procs = [ctx.Process(target=_collective_replays, args=(r, port, queue))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=20)
+    assert results == {0: 0, 1: 0}

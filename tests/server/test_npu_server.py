@@ -2,8 +2,8 @@
 
 Every flag of the report except ``--quantization ascend`` (W8A8 is its own
 issue), with DP and TP 1 and this host's limits (``--max-model-len`` within
-the checkpoint's positions), graph mode by default and with
-``--enforce-eager``: the server starts, answers completions and chat, and
+the checkpoint's positions), graph mode by default: the server starts,
+answers completions and chat, and
 with MTP k = 1 its greedy answers equal those without MTP, which equal the
 offline engine on the same code path.
 """
@@ -44,8 +44,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def original_command(model: Path, port: int, mtp: bool,
-                     eager: bool) -> list[str]:
+def original_command(model: Path, port: int, mtp: bool) -> list[str]:
     args = [
         "serve", f"{model}/", "--host", "127.0.0.1", "--port", str(port),
         "--seed", "1024", "--served-model-name", NAME,
@@ -67,14 +66,12 @@ def original_command(model: Path, port: int, mtp: bool,
         args += ["--speculative-config", json.dumps({
             "num_speculative_tokens": 1, "model": str(model),
             "method": "glm4_moe_mtp"})]
-    if eager:
-        args.append("--enforce-eager")
     return args
 
 
-def _serve_and_ask(checkpoint: Path, mtp: bool, eager: bool) -> dict:
+def _serve_and_ask(checkpoint: Path, mtp: bool) -> dict:
     port = free_port()
-    server = ServeProcess(original_command(checkpoint, port, mtp, eager),
+    server = ServeProcess(original_command(checkpoint, port, mtp),
                           port, env=NPU_ENV)
     try:
         server.wait_healthy(STARTUP_TIMEOUT)
@@ -104,28 +101,25 @@ def _serve_and_ask(checkpoint: Path, mtp: bool, eager: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def no_mtp(checkpoint):
-    return _serve_and_ask(checkpoint, mtp=False, eager=False)
+    return _serve_and_ask(checkpoint, mtp=False)
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["graph-mode", "eager"])
-def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp,
-                                                   eager):
-    got = _serve_and_ask(checkpoint, mtp=True, eager=eager)
+def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp):
+    # Graph mode, the command's default; the eager NPU paths run in
+    # tests/npu/test_npu_engine.py.
+    got = _serve_and_ask(checkpoint, mtp=True)
     assert got["drafts"] > 0
     assert got["texts"] == no_mtp["texts"]
     assert got["chat"] == no_mtp["chat"]
     assert "vllm_ascend runs on npu" in got["log"]
-    if not eager:
-        # Graph mode by default (vLLM's FULL_AND_PIECEWISE: full graphs
-        # for verify batches and the draft, piecewise for the rest), with
-        # the report's capture sizes rounded to 1 + k.
-        assert "capturing [64, 48, 32, 16, 8, 4, 2]" in got["log"]
-        assert ("Captured 7 MTP draft graph(s) for sizes [64, 48, 32, 16, "
-                "8, 4, 2]") in got["log"], got["log"][-3000:]
-        assert re.search(r"Captured \d+ graph\(s\) for \[64, 48, 32, 16, "
-                         r"8, 4, 2\]", got["log"]), got["log"][-3000:]
-    else:
-        assert "graph(s) for" not in got["log"]
+    # Graph mode by default (vLLM's FULL_AND_PIECEWISE: full graphs
+    # for verify batches and the draft, piecewise for the rest), with
+    # the report's capture sizes rounded to 1 + k.
+    assert "capturing [64, 48, 32, 16, 8, 4, 2]" in got["log"]
+    assert ("Captured 7 MTP draft graph(s) for sizes [64, 48, 32, 16, "
+            "8, 4, 2]") in got["log"], got["log"][-3000:]
+    assert re.search(r"Captured \d+ graph\(s\) for \[64, 48, 32, 16, "
+                     r"8, 4, 2\]", got["log"]), got["log"][-3000:]
 
 
 def test_served_answers_equal_offline_engine(checkpoint, no_mtp):

@@ -124,8 +124,22 @@ def _graph_info(worker) -> dict[str, Any]:
     """Graphs the plugin captured in this engine (target and draft)."""
     from vllm_ascend.compilation.graph_wrapper import graph_stats
     return {"captured": sum(graph_stats.captured.values()),
+            "replayed": sum(graph_stats.replayed.values()),
+            "draft_replayed": sum(n for (role, *_), n in
+                                  graph_stats.replayed.items()
+                                  if role == "draft"),
             "pool_bytes": graph_stats.pool_bytes,
             "capture_s": graph_stats.capture_seconds}
+
+
+def _draft_shares(worker) -> list[str]:
+    """The target modules the MTP draft runs on (embed_tokens, lm_head)."""
+    from vllm_ascend.spec_decode.mtp_proposer import shared_with_target
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    if getattr(drafter, "model", None) is None:
+        return []
+    return shared_with_target(drafter.model, runner.model)
 
 
 def _forward_stats(worker) -> dict[str, dict[str, float]]:
@@ -258,6 +272,13 @@ def main(spec_path: str) -> None:
     from vllm import LLM
 
     spec = json.loads(open(spec_path).read())
+    if spec.get("setup"):
+        # "module:function" called before the engine starts (the engine core
+        # runs in this process): a deliberate change a test injects.
+        import importlib
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        module, _, function = spec["setup"].partition(":")
+        getattr(importlib.import_module(module), function)()
     engine = dict(spec["engine"])
     k = spec["num_speculative_tokens"]
     if k:
@@ -292,6 +313,7 @@ def main(spec_path: str) -> None:
                    "kv_cache_bytes_configured":
                    engine.get("kv_cache_memory_bytes")},
         "graphs": llm.collective_rpc(_graph_info)[0],
+        "draft_shares": llm.collective_rpc(_draft_shares)[0],
         "batches": batches,
     })
 

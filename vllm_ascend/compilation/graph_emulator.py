@@ -93,6 +93,13 @@ def _has_bool_index(func, args) -> bool:
                for i in indices or ())
 
 
+def _is_work(x: Any) -> bool:
+    """A c10d Work, as a collective op called through the dispatcher
+    returns it (a TorchScript object)."""
+    return (isinstance(x, torch.ScriptObject)
+            and x._type().qualified_name().endswith(".c10d.Work"))
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -113,8 +120,24 @@ class _Node:
         if self.kind == "alias":
             return  # the captured outputs alias the captured storages
         result = self.func(*self.args, **self.kwargs)
-        produced = [t for t in tree_flatten(result)[0]
-                    if isinstance(t, torch.Tensor)]
+        leaves = tree_flatten(result)[0]
+        for leaf in leaves:
+            if _is_work(leaf):
+                # A collective (c10d.allreduce_, broadcast_, ...): its
+                # caller waited on the Work outside the record
+                # (dist.all_reduce's work.wait()), and gloo runs it on its
+                # own thread; unwaited, the ops after it read the tensor
+                # before the collective wrote it. A device stream orders
+                # them: so does the replay.
+                leaf.wait()
+        produced = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if getattr(self.func, "namespace", None) == "_c10d_functional":
+            # A traced collective (torch.compile turns dist.all_reduce into
+            # _c10d_functional.all_reduce + wait_tensor): its new output is
+            # written asynchronously, and the wait the graph recorded waits
+            # on the tensor captured, not on this one. Wait before copying.
+            for t in produced:
+                torch.ops._c10d_functional.wait_tensor(t)
         for captured, new in zip(self.outputs, produced):
             # New tensors (also those an op that mutates returns besides)
             # land where the capture put them.

@@ -1,0 +1,152 @@
+"""The nightly run: a clean smoke run passes against the committed smoke
+baseline, and a run with regressions injected fails, naming each."""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from regress.check import check_figure, compare  # noqa: E402
+
+NIGHTLY = ROOT / "tools" / "nightly.py"
+SMOKE_BASELINE = ROOT / "benchmarks" / "nightly" / "baseline-smoke.json"
+MODE = "FULL_AND_PIECEWISE"
+
+
+def _nightly(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(NIGHTLY), "--smoke", "--baseline",
+         str(SMOKE_BASELINE), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """The clean smoke run and one with every kind of regression injected
+    (a slowed drafter, one changed token, a draft with its own LM head:
+    each shows in different figures), side by side (one torch thread
+    each)."""
+    root = tmp_path_factory.mktemp("nightly")
+    jobs = {"clean": (),
+            "injected": ("--setup", "tests.nightly.injections:all_kinds")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_nightly, root / name, *args)
+                   for name, args in jobs.items()}
+        return {name: (root / name, f.result())
+                for name, f in futures.items()}
+
+
+def _regressions(proc: subprocess.CompletedProcess) -> list[str]:
+    line = next((line for line in proc.stdout.splitlines()
+                 if line.startswith("nightly: REGRESSION in ")), "")
+    return line.removeprefix("nightly: REGRESSION in ").split(", ")
+
+
+def test_clean_smoke_run_passes_and_writes_the_trend(smoke_runs):
+    out, proc = smoke_runs["clean"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nightly: no regression" in proc.stdout
+    run = json.loads(next(out.glob("nightly-*.json")).read_text())
+    figures = run["figures"]
+    assert figures[f"accuracy.{MODE}.k1.prompts_equal"] == 16
+    assert figures[f"invariant.{MODE}.k1.draft_shares_embed_and_head"] == 1
+    assert figures[f"invariant.{MODE}.graphs_replayed"] == 1
+    assert abs(figures[f"acceptance.{MODE}.k1.minus_reference"]) <= 2
+    page = (out / "trend.html").read_text()
+    # The committed baseline (dashed) and this run's point, per figure.
+    assert page.count("<svg") == len(figures)
+    assert "stroke-dasharray" in page and "<circle" in page
+
+
+@pytest.fixture(scope="module")
+def injected(smoke_runs) -> list[str]:
+    """The figures the injected run names as regressions."""
+    _, proc = smoke_runs["injected"]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _regressions(proc)
+
+
+def test_slowed_drafter_is_a_speed_regression(injected):
+    assert f"speed.{MODE}.b1.k1.mtp_over_no_mtp" in injected, injected
+    assert f"speed.{MODE}.b1.k1.host_ms_per_step" in injected, injected
+    # The slowdown is outside the forwards, and acceptance is unchanged.
+    assert f"speed.{MODE}.b1.k1.draft_over_target" not in injected
+    assert not any(n.startswith("acceptance") for n in injected), injected
+
+
+def test_one_changed_token_is_an_accuracy_regression(smoke_runs, injected):
+    assert f"accuracy.{MODE}.k0.prompts_equal" in injected, injected
+    assert f"accuracy.{MODE}.k1.prompts_equal" in injected, injected
+    assert (f"accuracy {MODE}.k1: prompt 0 first differs at token 15"
+            in smoke_runs["injected"][1].stdout)
+
+
+def test_draft_owning_its_head_is_an_invariant_regression(injected):
+    assert (f"invariant.{MODE}.k1.draft_shares_embed_and_head"
+            in injected), injected
+    assert f"memory.{MODE}.k1.draft_owned_mib" in injected, injected
+    # The target's own figures are untouched.
+    assert f"memory.{MODE}.k0.weights_mib" not in injected
+
+
+def test_baseline_expecting_higher_acceptance_fails(smoke_runs, tmp_path):
+    out, _ = smoke_runs["clean"]
+    run = next(out.glob("nightly-*.json"))
+    baseline = json.loads(SMOKE_BASELINE.read_text())
+    name = f"acceptance.{MODE}.k1.rate"
+    baseline["figures"][name] = json.loads(
+        run.read_text())["figures"][name] + 5
+    higher = tmp_path / "baseline.json"
+    higher.write_text(json.dumps(baseline))
+    proc = subprocess.run(
+        [sys.executable, str(NIGHTLY), "--compare", str(run), "--baseline",
+         str(higher), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert _regressions(proc) == [name]
+    assert "-2 pt  REGRESSION" in proc.stdout
+
+
+def test_tolerance_kinds():
+    points = {"kind": "points", "band": 2.0}
+    assert not check_figure("a", 90.0, 88.5, points).regression
+    assert check_figure("a", 90.0, 87.9, points).regression
+    assert not check_figure("a", 90.0, 95.0, points).regression
+    faster = {"kind": "ratio", "band": 0.35, "better": "higher"}
+    assert check_figure("s", 1.2, 0.7, faster).regression
+    assert not check_figure("s", 1.2, 0.9, faster).regression
+    lower = {"kind": "ratio", "band": 0.02, "better": "lower"}
+    assert check_figure("m", 100.0, 103.0, lower).regression
+    assert not check_figure("m", 100.0, 50.0, lower).regression
+    # A figure the baseline has and the run lost is a regression.
+    rows = compare({}, {"figures": {"x": 1}, "tolerances": []})
+    assert rows[0].regression and rows[0].status == "REGRESSION"
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(
+    not os.environ.get("VLLM_ASCEND_NIGHTLY_NPU_MODEL"),
+    reason="needs an Ascend server with 8 NPUs and a GLM-4.5 checkpoint "
+    "named by VLLM_ASCEND_NIGHTLY_NPU_MODEL")
+def test_nightly_on_npu_with_the_original_preset(tmp_path):
+    """The first run on a server writes its baseline; the second must pass
+    against it (same machine, same checkpoint)."""
+    baseline = tmp_path / "baseline-npu.json"
+    baseline.write_text(SMOKE_BASELINE.read_text())
+    args = [sys.executable, str(NIGHTLY), "--device", "npu", "--preset",
+            "original", "--skip-reference", "--model",
+            os.environ["VLLM_ASCEND_NIGHTLY_NPU_MODEL"], "--baseline",
+            str(baseline), "--out", str(tmp_path / "runs")]
+    first = subprocess.run(args + ["--update-baseline"], capture_output=True,
+                           text=True)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = subprocess.run(args, capture_output=True, text=True)
+    assert second.returncode == 0, second.stdout[-3000:]

@@ -1,0 +1,1 @@
+"""The nightly regression run: figures, the baseline check, the trend page."""

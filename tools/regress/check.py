@@ -1,0 +1,123 @@
+"""A run's figures against the baseline's, with a tolerance per figure.
+
+The baseline file holds ``figures`` (name -> value) and ``tolerances``, a
+list checked in order, the first whose ``match`` (fnmatch pattern) fits a
+figure's name deciding:
+
+- ``exact``: the value must equal the baseline's (token equality, counts,
+  invariants);
+- ``points``: may fall at most ``band`` below the baseline (acceptance, in
+  percentage points); a rise is reported, not a regression;
+- ``ratio``: may move at most ``band`` (a fraction) in its worse direction,
+  ``better: higher`` (tokens/s, speedups) or ``lower`` (host ms per step,
+  memory);
+- ``info``: printed, never a regression.
+
+A figure of the baseline missing from the run is a regression (something
+that was measured no longer is); a new figure is listed, not checked.
+"""
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class Row:
+    name: str
+    baseline: Optional[float]
+    now: Optional[float]
+    rule: str
+    regression: bool
+    moved: bool
+
+    @property
+    def status(self) -> str:
+        if self.regression:
+            return "REGRESSION"
+        if self.baseline is None:
+            return "new"
+        return "moved" if self.moved else "ok"
+
+
+def tolerance_for(name: str, tolerances: list[dict[str, Any]]) -> dict:
+    for tol in tolerances:
+        if fnmatch.fnmatchcase(name, tol["match"]):
+            return tol
+    return {"kind": "exact"}
+
+
+def _describe(tol: dict[str, Any]) -> str:
+    kind = tol["kind"]
+    if kind == "points":
+        return f"-{tol['band']:g} pt"
+    if kind == "ratio":
+        sign = "-" if tol.get("better", "higher") == "higher" else "+"
+        return f"{sign}{tol['band']:.0%}"
+    return kind
+
+
+def check_figure(name: str, baseline: Optional[float], now: Optional[float],
+                 tol: dict[str, Any]) -> Row:
+    kind = tol["kind"]
+    rule = _describe(tol)
+    if baseline is None:
+        return Row(name, None, now, rule, False, False)
+    if now is None:
+        return Row(name, baseline, None, rule, True, True)
+    moved = now != baseline
+    if kind == "exact":
+        bad = now != baseline
+    elif kind == "points":
+        bad = now < baseline - tol["band"]
+        moved = abs(now - baseline) > tol["band"]
+    elif kind == "ratio":
+        band = tol["band"]
+        if tol.get("better", "higher") == "higher":
+            bad = now < baseline * (1 - band)
+        else:
+            bad = now > baseline * (1 + band)
+        moved = abs(now - baseline) > band * abs(baseline)
+    elif kind == "info":
+        bad = False
+    else:
+        raise ValueError(f"unknown tolerance kind {kind!r} for {name}")
+    return Row(name, baseline, now, rule, bad, moved)
+
+
+def compare(figures: dict[str, float],
+            baseline: dict[str, Any]) -> list[Row]:
+    tolerances = baseline.get("tolerances", [])
+    names = list(baseline["figures"]) + [
+        n for n in figures if n not in baseline["figures"]
+    ]
+    return [
+        check_figure(n, baseline["figures"].get(n), figures.get(n),
+                     tolerance_for(n, tolerances)) for n in names
+    ]
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer():
+        return f"{int(value)}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def table(rows: list[Row], everything: bool = False) -> str:
+    """What moved (or all rows), by how much, against which tolerance."""
+    shown = [r for r in rows if everything or r.regression or r.moved
+             or r.baseline is None]
+    lines = [f"{'figure':64} {'baseline':>9} {'now':>9} {'change':>8} "
+             f"{'tolerance':>9}  status"]
+    for r in shown:
+        change = ("-" if r.baseline is None or r.now is None else
+                  f"{r.now - r.baseline:+.3g}")
+        lines.append(f"{r.name:64} {_fmt(r.baseline):>9} {_fmt(r.now):>9} "
+                     f"{change:>8} {r.rule:>9}  {r.status}")
+    bad = sum(r.regression for r in rows)
+    lines.append(f"{len(rows)} figures: {bad} regression(s), "
+                 f"{sum(r.moved and not r.regression for r in rows)} moved "
+                 f"within tolerance, {len(rows) - len(shown)} unchanged")
+    return "\n".join(lines)

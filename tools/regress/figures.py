@@ -1,0 +1,126 @@
+"""The nightly's figures: one flat ``name -> number`` dict per run.
+
+Names say what a figure is and where it was measured, e.g.
+``speed.FULL_AND_PIECEWISE.b16.k1.mtp_over_no_mtp``. Booleans are 1 / 0 so
+that every figure compares the same way and plots.
+"""
+
+from typing import Any, Optional
+
+MiB = 1 << 20
+
+
+def _by_k(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {c["num_speculative_tokens"]: c for c in result["configs"]}
+
+
+def _batch(config: Optional[dict], size: int) -> Optional[dict[str, Any]]:
+    for b in (config or {}).get("batches", []):
+        if b["batch_size"] == size:
+            return b
+    return None
+
+
+def first_divergence(got: list[int], want: list[int]) -> Optional[int]:
+    """Index of the first token that differs (or where one output ends)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def accuracy(outputs: list[list[int]],
+             reference: list[list[int]]) -> dict[str, Any]:
+    """Prompts whose greedy tokens equal the reference's; where the others
+    first differ."""
+    pairs = list(zip(outputs, reference))
+    diverged = {}
+    for i, (got, want) in enumerate(pairs):
+        at = first_divergence(got, want)
+        if at is not None:
+            diverged[i] = {"token": at, "got": got[at:at + 3],
+                           "want": want[at:at + 3]}
+    return {"prompts": len(pairs),
+            "equal": len(pairs) - len(diverged),
+            "first_divergence": diverged}
+
+
+def collect(runs: dict[str, dict[str, Any]],
+            reference: Optional[dict[int, dict[str, Any]]],
+            accuracy_batch: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Figures and details from the benchmark result of each graph mode and
+    the offline reference's result per k (None: no reference)."""
+    figures: dict[str, float] = {}
+    details: dict[str, Any] = {"accuracy": {}}
+    eager = _by_k(runs["eager"]) if "eager" in runs else None
+    ref_outputs = reference[min(reference)]["outputs"] if reference else None
+    for mode, result in runs.items():
+        configs = _by_k(result)
+        no_mtp = configs.get(0)
+        captured = sum(c["graphs"]["captured"] for c in configs.values())
+        replayed = sum(c["graphs"]["replayed"] for c in configs.values())
+        if mode != "eager":
+            figures[f"invariant.{mode}.graphs_captured"] = int(captured > 0)
+            figures[f"invariant.{mode}.graphs_replayed"] = int(replayed > 0)
+        for k, config in configs.items():
+            tag = f"{mode}.k{k}"
+            for b in config["batches"]:
+                size = b["batch_size"]
+                where = f"{mode}.b{size}.k{k}"
+                figures[f"speed.{where}.tokens_per_s"] = b[
+                    "decode_tokens_per_s"]
+                if b.get("host_ms_per_step") is not None:
+                    figures[f"speed.{where}.host_ms_per_step"] = b[
+                        "host_ms_per_step"]
+                ratio = (b.get("forward_time") or {}).get("draft_over_target")
+                if ratio is not None:
+                    figures[f"speed.{where}.draft_over_target"] = ratio
+                base = _batch(no_mtp, size)
+                if k and base:
+                    figures[f"speed.{where}.mtp_over_no_mtp"] = (
+                        b["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+                    figures[f"accuracy.{where}.equal_to_no_mtp"] = int(
+                        b["outputs_sha1"] == base["outputs_sha1"])
+                ref = _batch((eager or {}).get(k), size)
+                if mode != "eager" and ref:
+                    figures[f"speed.{where}.graph_over_eager"] = (
+                        b["decode_tokens_per_s"] / ref["decode_tokens_per_s"])
+            big = _batch(config, accuracy_batch)
+            if big and ref_outputs is not None and "outputs" in big:
+                acc = accuracy(big["outputs"], ref_outputs)
+                details["accuracy"][tag] = acc
+                figures[f"accuracy.{tag}.prompts_equal"] = acc["equal"]
+            if k and big and big.get("acceptance"):
+                _acceptance(figures, tag, big["acceptance"],
+                            (reference or {}).get(k))
+            if k:
+                shares = set(config.get("draft_shares") or ())
+                figures[f"invariant.{tag}.draft_shares_embed_and_head"] = int(
+                    shares >= {"embed_tokens", "lm_head"})
+            memory = config["memory"]
+            figures[f"memory.{tag}.weights_mib"] = memory["weights_bytes"] / MiB
+            figures[f"memory.{tag}.peak_rss_mib"] = (
+                memory["peak_rss_bytes"] / MiB)
+            if memory.get("kv_cache_bytes_configured"):
+                figures[f"memory.{tag}.kv_cache_mib"] = (
+                    memory["kv_cache_bytes_configured"] / MiB)
+            if k:
+                figures[f"memory.{tag}.draft_owned_mib"] = (
+                    memory["drafter_weights_bytes"] / MiB)
+    return figures, details
+
+
+def _acceptance(figures: dict[str, float], tag: str, got: dict[str, Any],
+                ref: Optional[dict[str, Any]]) -> None:
+    """vLLM-reported acceptance in percent, per position, and its distance
+    from the offline reference in points."""
+    if got.get("acceptance_rate") is None:
+        return
+    figures[f"acceptance.{tag}.rate"] = 100 * got["acceptance_rate"]
+    for j, rate in enumerate(got.get("acceptance_rate_per_pos") or []):
+        figures[f"acceptance.{tag}.pos{j + 1}"] = 100 * rate
+    if ref is not None:
+        figures[f"acceptance.{tag}.reference_rate"] = (
+            100 * ref["acceptance_rate"])
+        figures[f"acceptance.{tag}.minus_reference"] = (
+            100 * (got["acceptance_rate"] - ref["acceptance_rate"]))
