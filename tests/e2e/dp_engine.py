@@ -92,8 +92,10 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
                 errors.append(f"--- DP rank {rank} (exit {proc.returncode})"
                               f":\n{err.read()[-4000:]}")
             else:
-                results.append(
-                    json.loads(out.read().strip().splitlines()[-1]))
+                # The last JSON line: TP workers may log after it.
+                results.append(json.loads(next(
+                    line for line in reversed(out.read().strip().splitlines())
+                    if line.startswith("{"))))
         if errors:
             what = (f"hung: not done after {timeout}s" if timed_out else
                     "failed")

@@ -1,4 +1,5 @@
-"""Data parallelism (DP=2) with GLM-4.5 MTP: same greedy text as DP=1.
+"""Data parallelism (DP=2, also x TP=2) with GLM-4.5 MTP: same greedy text
+as DP=1.
 
 Two DP ranks on the CPU reference device (gloo), the trained fixture, with
 and without expert parallelism. The MoE layers of both ranks run together
@@ -41,13 +42,15 @@ def baseline() -> list[list[int]]:
                       env={"OMP_NUM_THREADS": "1"})["outputs"]
 
 
-def _run(per_rank: list[list[int]], k: int, expert_parallel: bool):
+def _run(per_rank: list[list[int]], k: int, expert_parallel: bool,
+         tp: int = 1):
     engine = dict(ENGINE, enable_expert_parallel=expert_parallel,
+                  tensor_parallel_size=tp,
                   speculative_config=dict(method="glm4_moe_mtp",
                                           num_speculative_tokens=k))
     return run_dp_engine(
         engine, [[PROMPTS[i] for i in indices] for indices in per_rank],
-        [_sampling(indices) for indices in per_rank], timeout=150)
+        [_sampling(indices) for indices in per_rank], timeout=150 * tp)
 
 
 def _check(outs, per_rank, baseline, k):
@@ -71,3 +74,13 @@ def _check(outs, per_rank, baseline, k):
 def test_dp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel, per_rank):
     outs = _run(per_rank, k, expert_parallel)
     _check(outs, per_rank, baseline, k)
+
+
+def test_dp2_tp2_ep_mtp_outputs_equal_dp1(baseline):
+    """DP 2 x TP 2 (4 processes) in the default graph mode. It once
+    answered every prompt with wrong text and no error: the naive all2all
+    gathered DP rank 1's tokens from the wrong rank and summed the TP
+    partials twice (patch 0012), and graph replays read TP all-reduces
+    before gloo finished them."""
+    per_rank = [[0, 3], [2]]
+    _check(_run(per_rank, 1, True, tp=2), per_rank, baseline, 1)
