@@ -176,6 +176,7 @@ def _collective_replays(rank: int, port: int, queue) -> None:
     """Capture an all-reduce between two ops on a gloo rank, replay it with
     new inputs; the number of replays that read a stale sum."""
     import torch.distributed as dist
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=2)
     try:
@@ -206,7 +207,9 @@ def test_replayed_collective_completes_before_the_ops_after_it():
     import multiprocessing
 
     from vllm.utils import get_open_port
-    ctx = multiprocessing.get_context("fork")
+    # Spawned: a child forked from a process whose torch thread pools are
+    # running may hang in its first parallel op.
+    ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = get_open_port()
     procs = [ctx.Process(target=_collective_replays, args=(r, port, queue))
