@@ -216,7 +216,11 @@ def test_replayed_collective_completes_before_the_ops_after_it():
              for r in range(2)]
     for proc in procs:
         proc.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=20)
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
     assert results == {0: 0, 1: 0}

@@ -107,7 +107,7 @@ def test_draft_shares_embedding_and_lm_head(k1_run):
 def test_every_mtp_method_name_serves_the_same(setup, k1_run):
     """`deepseek_mtp` (how GLM-4.5/4.6 were served before `glm4_moe_mtp`
     was accepted) and `mtp` run the same draft: same tokens, same
-    acceptance."""
+    acceptance. The two engines run side by side."""
     engine, prompts, sampling, _ = setup
     engine = dict(engine, enable_chunked_prefill=True,
                   max_num_batched_tokens=48)
