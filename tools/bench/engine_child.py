@@ -125,9 +125,6 @@ def _graph_info(worker) -> dict[str, Any]:
     from vllm_ascend.compilation.graph_wrapper import graph_stats
     return {"captured": sum(graph_stats.captured.values()),
             "replayed": sum(graph_stats.replayed.values()),
-            "draft_replayed": sum(n for (role, *_), n in
-                                  graph_stats.replayed.items()
-                                  if role == "draft"),
             "pool_bytes": graph_stats.pool_bytes,
             "capture_s": graph_stats.capture_seconds}
 
