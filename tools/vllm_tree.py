@@ -258,6 +258,12 @@ def tests_of(patch: Path) -> list[str]:
     return sorted({f for f in files if Path(f).name.startswith("test_")})
 
 
+def sources_of(patch: Path) -> set[str]:
+    """Files outside tests/ that a patch adds or changes."""
+    files = re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), re.M)
+    return {f for f in files if not f.startswith("tests/")}
+
+
 def cmd_check(args: argparse.Namespace) -> None:
     patches = series_patches(args.series)
     failures = []
@@ -269,11 +275,20 @@ def cmd_check(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "vllm"
         init_pristine(tree, sdist)
-        tests: list[str] = []
+        # Test file -> the source files of the patches that wrote it. At
+        # each prefix run the patch's own tests and those of earlier
+        # patches whose sources it touches; at the last, every test.
+        covers: dict[str, set[str]] = {}
         for i, patch in enumerate(patches, 1):
             am_series(tree, [patch])
-            tests = sorted(set(tests) | set(tests_of(patch)))
+            sources = sources_of(patch)
+            for test in tests_of(patch):
+                covers[test] = covers.get(test, set()) | sources
             print(f"[{i}/{len(patches)}] {patch.name} applies", flush=True)
+            tests = sorted(
+                test for test, touched in covers.items()
+                if i == len(patches) or test in tests_of(patch)
+                or touched & sources)
             if args.no_tests or not tests:
                 continue
             run_tests(tree, tests, label=patch.name)
