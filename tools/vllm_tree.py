@@ -281,14 +281,13 @@ def cmd_check(args: argparse.Namespace) -> None:
         covers: dict[str, set[str]] = {}
         for i, patch in enumerate(patches, 1):
             am_series(tree, [patch])
-            sources = sources_of(patch)
-            for test in tests_of(patch):
+            sources, own = sources_of(patch), tests_of(patch)
+            for test in own:
                 covers[test] = covers.get(test, set()) | sources
             print(f"[{i}/{len(patches)}] {patch.name} applies", flush=True)
             tests = sorted(
                 test for test, touched in covers.items()
-                if i == len(patches) or test in tests_of(patch)
-                or touched & sources)
+                if i == len(patches) or test in own or touched & sources)
             if args.no_tests or not tests:
                 continue
             run_tests(tree, tests, label=patch.name)

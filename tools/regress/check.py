@@ -105,9 +105,9 @@ def _fmt(value: Optional[float]) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def table(rows: list[Row], everything: bool = False) -> str:
-    """What moved (or all rows), by how much, against which tolerance."""
-    shown = [r for r in rows if everything or r.regression or r.moved
+def table(rows: list[Row]) -> str:
+    """What moved, by how much, against which tolerance."""
+    shown = [r for r in rows if r.regression or r.moved
              or r.baseline is None]
     lines = [f"{'figure':64} {'baseline':>9} {'now':>9} {'change':>8} "
              f"{'tolerance':>9}  status"]

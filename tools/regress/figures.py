@@ -7,18 +7,16 @@ that every figure compares the same way and plots.
 
 from typing import Any, Optional
 
+from benchmark_graph_modes import _batch, rows
+
 MiB = 1 << 20
+# Per (mode, batch, k) row of the graph-mode benchmark.
+SPEED = ("tokens_per_s", "host_ms_per_step", "draft_over_target",
+         "mtp_over_no_mtp", "graph_over_eager")
 
 
 def _by_k(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {c["num_speculative_tokens"]: c for c in result["configs"]}
-
-
-def _batch(config: Optional[dict], size: int) -> Optional[dict[str, Any]]:
-    for b in (config or {}).get("batches", []):
-        if b["batch_size"] == size:
-            return b
-    return None
 
 
 def first_divergence(got: list[int], want: list[int]) -> Optional[int]:
@@ -52,7 +50,13 @@ def collect(runs: dict[str, dict[str, Any]],
     the offline reference's result per k (None: no reference)."""
     figures: dict[str, float] = {}
     details: dict[str, Any] = {"accuracy": {}}
-    eager = _by_k(runs["eager"]) if "eager" in runs else None
+    k_of = {c["name"]: c["num_speculative_tokens"]
+            for result in runs.values() for c in result["configs"]}
+    for row in rows(runs):
+        where = f"{row['mode']}.b{row['batch_size']}.k{k_of[row['config']]}"
+        for key in SPEED:
+            if row[key] is not None:
+                figures[f"speed.{where}.{key}"] = row[key]
     ref_outputs = reference[min(reference)]["outputs"] if reference else None
     for mode, result in runs.items():
         configs = _by_k(result)
@@ -65,26 +69,11 @@ def collect(runs: dict[str, dict[str, Any]],
         for k, config in configs.items():
             tag = f"{mode}.k{k}"
             for b in config["batches"]:
-                size = b["batch_size"]
-                where = f"{mode}.b{size}.k{k}"
-                figures[f"speed.{where}.tokens_per_s"] = b[
-                    "decode_tokens_per_s"]
-                if b.get("host_ms_per_step") is not None:
-                    figures[f"speed.{where}.host_ms_per_step"] = b[
-                        "host_ms_per_step"]
-                ratio = (b.get("forward_time") or {}).get("draft_over_target")
-                if ratio is not None:
-                    figures[f"speed.{where}.draft_over_target"] = ratio
-                base = _batch(no_mtp, size)
+                base = _batch(no_mtp, b["batch_size"])
                 if k and base:
-                    figures[f"speed.{where}.mtp_over_no_mtp"] = (
-                        b["decode_tokens_per_s"] / base["decode_tokens_per_s"])
-                    figures[f"accuracy.{where}.equal_to_no_mtp"] = int(
-                        b["outputs_sha1"] == base["outputs_sha1"])
-                ref = _batch((eager or {}).get(k), size)
-                if mode != "eager" and ref:
-                    figures[f"speed.{where}.graph_over_eager"] = (
-                        b["decode_tokens_per_s"] / ref["decode_tokens_per_s"])
+                    figures[f"accuracy.{mode}.b{b['batch_size']}.k{k}."
+                            "equal_to_no_mtp"] = int(
+                                b["outputs_sha1"] == base["outputs_sha1"])
             big = _batch(config, accuracy_batch)
             if big and ref_outputs is not None and "outputs" in big:
                 acc = accuracy(big["outputs"], ref_outputs)

@@ -100,6 +100,29 @@ def _is_work(x: Any) -> bool:
             and x._type().qualified_name().endswith(".c10d.Work"))
 
 
+def _is_collective(func, result) -> bool:
+    return (getattr(func, "namespace", None) == "_c10d_functional"
+            or any(_is_work(x) for x in tree_flatten(result)[0]))
+
+
+def _wait(leaves: list, produced: list[torch.Tensor]) -> None:
+    """Wait for a replayed collective before the ops after it read its
+    output, as a device stream orders them.
+
+    A c10d op (allreduce_, broadcast_, ...) returns a Work its caller waited
+    on outside the record (dist.all_reduce's work.wait()). A traced one
+    (_c10d_functional.all_reduce + wait_tensor) writes its new output
+    asynchronously, and the wait the graph recorded waits on the tensor
+    captured, not on this one.
+    """
+    works = [leaf for leaf in leaves if _is_work(leaf)]
+    for work in works:
+        work.wait()
+    if not works:  # traced
+        for t in produced:
+            torch.ops._c10d_functional.wait_tensor(t)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -115,29 +138,18 @@ class _Node:
     # into its arguments (and may return new tensors too); "compute": it
     # produced new tensors.
     kind: str
+    # A collective (a c10d op returning a Work, or a traced
+    # _c10d_functional op): gloo writes its result on its own thread.
+    collective: bool = False
 
     def run(self) -> None:
         if self.kind == "alias":
             return  # the captured outputs alias the captured storages
         result = self.func(*self.args, **self.kwargs)
         leaves = tree_flatten(result)[0]
-        for leaf in leaves:
-            if _is_work(leaf):
-                # A collective (c10d.allreduce_, broadcast_, ...): its
-                # caller waited on the Work outside the record
-                # (dist.all_reduce's work.wait()), and gloo runs it on its
-                # own thread; unwaited, the ops after it read the tensor
-                # before the collective wrote it. A device stream orders
-                # them: so does the replay.
-                leaf.wait()
         produced = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if getattr(self.func, "namespace", None) == "_c10d_functional":
-            # A traced collective (torch.compile turns dist.all_reduce into
-            # _c10d_functional.all_reduce + wait_tensor): its new output is
-            # written asynchronously, and the wait the graph recorded waits
-            # on the tensor captured, not on this one. Wait before copying.
-            for t in produced:
-                torch.ops._c10d_functional.wait_tensor(t)
+        if self.collective:
+            _wait(leaves, produced)
         for captured, new in zip(self.outputs, produced):
             # New tensors (also those an op that mutates returns besides)
             # land where the capture put them.
@@ -321,7 +333,7 @@ class EmulatedGraph:
             self._seen.add(_storage_key(t))
         # Containers copied: a list mutated after capture stays as captured.
         node = _Node(func, *tree_map(lambda x: x, (args, kwargs)), outputs,
-                     kind)
+                     kind, _is_collective(func, result))
         self._nodes.append(node)
         if self._group is not None and kind != "alias":
             # A view launches no task: the group holds the kernels.
