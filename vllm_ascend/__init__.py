@@ -35,3 +35,5 @@ def register_ops() -> None:
     """``vllm.general_plugins`` entry point, loaded by every process."""
     from vllm_ascend.ops import register_oot_ops
     register_oot_ops()
+    # Registers --quantization ascend.
+    import vllm_ascend.quantization.config  # noqa: F401

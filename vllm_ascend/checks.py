@@ -154,7 +154,8 @@ def check_glm45_checkpoint(model_dir: Path, config: Any,
 
 
 def check_checkpoint(vllm_config: "VllmConfig") -> None:
-    """Validate a local, unquantized GLM-4.5 checkpoint at startup.
+    """Validate a local GLM-4.5 checkpoint (float or Ascend W8A8) at
+    startup.
 
     Call from ``AscendPlatform.check_and_update_config``: it runs in the API
     server (or ``LLM``) process before the engine core is spawned, so a bad
@@ -173,18 +174,23 @@ def check_checkpoint(vllm_config: "VllmConfig") -> None:
     has_weights = model_dir.is_dir() and (
         any(model_dir.glob("*.safetensors"))
         or (model_dir / "model.safetensors.index.json").exists())
-    if (not has_weights or model_config.quantization is not None
+    quantization = model_config.quantization
+    if (not has_weights or quantization not in (None, "ascend")
             or load_format not in ("auto", "safetensors")):
         # Hub names are resolved by the loader; a directory without
         # safetensors (config only, other formats, dummy weights) is the
-        # loader's to judge; quantized layouts rename tensors (scales,
-        # packed weights) and are checked by their loader.
+        # loader's to judge; other quantized layouts rename tensors
+        # (packed weights) and are checked by their loader.
         logger.debug("Skipping the GLM-4.5 checkpoint check for %s.",
                      model_config.model)
         return
     spec = vllm_config.speculative_config
     with_mtp = spec is not None and spec.method in MTP_METHODS
     check_glm45_checkpoint(model_dir, hf_config, with_mtp)
+    if quantization == "ascend":
+        from vllm_ascend.quantization.description import QuantDescription
+        QuantDescription.from_dir(model_dir).check_tensors(
+            checkpoint_tensor_names(model_dir))
 
 
 # A request's n child sequences are created up front, before any is

@@ -141,6 +141,19 @@ class AscendPlatform(Platform):
         return False
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Registers ``--quantization ascend`` and lets the CLI accept it
+        (the flag's choices are vLLM's built-in methods)."""
+        from vllm_ascend.quantization.config import ASCEND_QUANTIZATION
+        if parser is None:
+            return
+        for action in parser._actions:
+            if ("--quantization" in action.option_strings
+                    and action.choices is not None
+                    and ASCEND_QUANTIZATION not in action.choices):
+                action.choices = [*action.choices, ASCEND_QUANTIZATION]
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         from vllm_ascend.spec_decode.mtp_proposer import check_mtp_config
 

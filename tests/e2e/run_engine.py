@@ -40,8 +40,10 @@ def inspect_runner(worker) -> dict:
             if hasattr(layer, "kv_cache")
         },
     }
+    info["param_sums"] = param_sums(runner.model)
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
+        info["draft_param_sums"] = param_sums(drafter.model)
         target, draft = runner.model, drafter.model
         vocab = runner.model_config.get_vocab_size()
         target_ptrs = {p.data_ptr() for p in target.parameters()}
@@ -64,6 +66,14 @@ def inspect_runner(worker) -> dict:
             drafter_class=type(drafter).__name__,
         )
     return info
+
+
+def param_sums(model) -> dict:
+    """name -> [numel, float64 sum, dtype] of each parameter as served."""
+    return {
+        name: [p.numel(), p.detach().double().sum().item(), str(p.dtype)]
+        for name, p in model.named_parameters()
+    }
 
 
 def main(spec_path: str) -> None:
@@ -98,6 +108,13 @@ def main(spec_path: str) -> None:
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         "metrics": metrics,
     }
+    if any(o.prompt_logprobs for o in outputs):
+        result["prompt_logprobs"] = [[
+            None if position is None else
+            {str(token): lp.logprob
+             for token, lp in position.items()}
+            for position in o.prompt_logprobs
+        ] for o in outputs]
     if any(o.outputs[0].logprobs for o in outputs):
         result["logprobs"] = [[{
             str(token): lp.logprob

@@ -105,8 +105,30 @@ def _moe_experts_npu(
                                apply_router_weight_on_input=True,
                                activation=activation)
     import torch_npu
+    permuted, src_slot, group_ends = _npu_permute(x, topk_ids, expert_map,
+                                                  w13.shape[0])
+    gate_up = torch_npu.npu_grouped_matmul([permuted], [w13.transpose(1, 2)],
+                                           group_list=group_ends,
+                                           split_item=2,
+                                           group_type=0,
+                                           group_list_type=0)[0]
+    h = torch_npu.npu_swiglu(gate_up, dim=-1)
+    y = torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
+                                     group_list=group_ends,
+                                     split_item=2,
+                                     group_type=0,
+                                     group_list_type=0)[0]
+    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+
+
+def _npu_permute(
+    x: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor], num_local: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens sorted by local expert: (permuted rows, the flat slot each row
+    came from, cumulative group ends)."""
+    import torch_npu
     num_tokens, top_k = topk_ids.shape
-    num_local = w13.shape[0]
     local = _local_ids(topk_ids, expert_map)
     local = torch.where(local >= 0, local,
                         torch.full_like(local, num_local)).to(torch.int32)
@@ -124,21 +146,16 @@ def _moe_experts_npu(
         row_idx_type=1)
     # Cumulative group ends (group_list_type=0): a count list may not have
     # length 1, which a rank holding one expert would pass.
-    group_ends = counts.cumsum(0)
-    gate_up = torch_npu.npu_grouped_matmul([permuted], [w13.transpose(1, 2)],
-                                           group_list=group_ends,
-                                           split_item=2,
-                                           group_type=0,
-                                           group_list_type=0)[0]
-    h = torch_npu.npu_swiglu(gate_up, dim=-1)
-    y = torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
-                                     group_list=group_ends,
-                                     split_item=2,
-                                     group_type=0,
-                                     group_list_type=0)[0]
+    return permuted, src_slot, counts.cumsum(0)
+
+
+def _npu_unpermute(y: torch.Tensor, src_slot: torch.Tensor,
+                   group_ends: torch.Tensor, topk_weights: torch.Tensor,
+                   x: torch.Tensor) -> torch.Tensor:
     # Rows past sum(group_list) (the tokens of other ranks' experts) are
     # left undefined by npu_grouped_matmul: they may hold Inf or NaN, which
     # a zero weight does not cancel. Select them away before the sum.
+    top_k = topk_weights.shape[1]
     rows = torch.arange(y.shape[0], device=y.device)
     valid = rows < group_ends[-1]
     slot = torch.where(valid, src_slot.long(), torch.zeros_like(rows))

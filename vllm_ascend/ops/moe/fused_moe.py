@@ -18,6 +18,52 @@ from vllm_ascend.ops.moe.experts import moe_experts
 from vllm_ascend.ops.moe.routing import select_experts
 
 
+def route(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    use_grouped_topk: bool,
+    topk_group: Optional[int],
+    num_expert_group: Optional[int],
+    global_num_experts: int,
+    custom_routing_function: Optional[Callable],
+    scoring_func: str,
+    routed_scaling_factor: float,
+    e_score_correction_bias: Optional[torch.Tensor],
+    enable_eplb: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) [T, k] for every MoE method of the plugin."""
+    if enable_eplb:
+        raise NotImplementedError(
+            "Expert load balancing (enable_eplb) is not supported by "
+            "vllm_ascend yet; start vLLM without --enable-eplb.")
+    if getattr(layer, "zero_expert_num", 0):
+        raise NotImplementedError(
+            "Zero experts are not supported by vllm_ascend.")
+    if (global_num_experts > 0
+            and router_logits.shape[-1] != global_num_experts):
+        raise ValueError(
+            f"router_logits have {router_logits.shape[-1]} experts but "
+            f"the layer has global_num_experts={global_num_experts}.")
+    if custom_routing_function is not None and not use_grouped_topk:
+        return custom_routing_function(hidden_states=x,
+                                       gating_output=router_logits,
+                                       topk=top_k,
+                                       renormalize=renormalize)
+    return select_experts(router_logits,
+                          top_k,
+                          renormalize=renormalize,
+                          use_grouped_topk=use_grouped_topk,
+                          num_expert_group=num_expert_group,
+                          topk_group=topk_group,
+                          scoring_func=scoring_func,
+                          routed_scaling_factor=routed_scaling_factor,
+                          e_score_correction_bias=e_score_correction_bias)
+
+
 @CustomOp.register_oot(name="UnquantizedFusedMoEMethod")
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
@@ -57,35 +103,21 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         logical_to_physical_map: Optional[torch.Tensor] = None,
         logical_replica_count: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if enable_eplb:
-            raise NotImplementedError(
-                "Expert load balancing (enable_eplb) is not supported by "
-                "vllm_ascend yet; start vLLM without --enable-eplb.")
-        if getattr(layer, "zero_expert_num", 0):
-            raise NotImplementedError(
-                "Zero experts are not supported by vllm_ascend.")
-        if (global_num_experts > 0
-                and router_logits.shape[-1] != global_num_experts):
-            raise ValueError(
-                f"router_logits have {router_logits.shape[-1]} experts but "
-                f"the layer has global_num_experts={global_num_experts}.")
-        if custom_routing_function is not None and not use_grouped_topk:
-            topk_weights, topk_ids = custom_routing_function(
-                hidden_states=x,
-                gating_output=router_logits,
-                topk=top_k,
-                renormalize=renormalize)
-        else:
-            topk_weights, topk_ids = select_experts(
-                router_logits,
-                top_k,
-                renormalize=renormalize,
-                use_grouped_topk=use_grouped_topk,
-                num_expert_group=num_expert_group,
-                topk_group=topk_group,
-                scoring_func=scoring_func,
-                routed_scaling_factor=routed_scaling_factor,
-                e_score_correction_bias=e_score_correction_bias)
+        topk_weights, topk_ids = route(
+            layer,
+            x,
+            router_logits,
+            top_k,
+            renormalize=renormalize,
+            use_grouped_topk=use_grouped_topk,
+            topk_group=topk_group,
+            num_expert_group=num_expert_group,
+            global_num_experts=global_num_experts,
+            custom_routing_function=custom_routing_function,
+            scoring_func=scoring_func,
+            routed_scaling_factor=routed_scaling_factor,
+            e_score_correction_bias=e_score_correction_bias,
+            enable_eplb=enable_eplb)
         return moe_experts(
             x,
             layer.w13_weight,

@@ -1,0 +1,199 @@
+"""``--quantization ascend`` end to end on the trained fixture.
+
+Both W8A8 checkpoints (MTP layer quantized, MTP layer float) load with
+every served parameter traced back to its checkpoint tensors; greedy with
+MTP (k = 1..3, chunked prefill, preemption, graph mode) equals greedy
+without it; the quantized model's next-token predictions and MTP
+acceptance are reported next to the float model's.
+"""
+
+import json
+import re
+from collections import defaultdict
+
+import pytest
+from safetensors import safe_open
+
+from tests.e2e.engine import run_engines
+from tests.quantization.checkpoints import FIXTURE
+
+MAX_NEW = 20
+VOCAB = json.loads((FIXTURE / "config.json").read_text())["vocab_size"]
+NUM_LAYERS = json.loads(
+    (FIXTURE / "config.json").read_text())["num_hidden_layers"]
+# Chunked prefill and a KV pool too small for the batch (preemption); the
+# platform's default graph mode with a few capture sizes.
+MTP_MODE = dict(enable_chunked_prefill=True, max_num_batched_tokens=40,
+                num_gpu_blocks_override=20, block_size=16)
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24]}
+
+
+def _prompts() -> list[list[int]]:
+    heldout = json.loads((FIXTURE / "heldout_prompts.json").read_text())
+    return ([p["token_ids"] for p in heldout] * 3)[:11]
+
+
+def _job(model, k=0, logprobs=False, **mode) -> dict:
+    engine = dict(model=str(model), dtype="float32", max_model_len=256,
+                  max_num_seqs=16, seed=0, compilation_config=GRAPHS,
+                  max_logprobs=VOCAB, **mode)
+    if model != FIXTURE:
+        engine["quantization"] = "ascend"
+    if k:
+        engine["speculative_config"] = dict(method="glm4_moe_mtp",
+                                            num_speculative_tokens=k)
+    sampling = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    if logprobs:
+        sampling["prompt_logprobs"] = VOCAB
+    return dict(engine=engine, prompts=_prompts(), sampling=sampling,
+                inspect=True)
+
+
+@pytest.fixture(scope="module")
+def runs(w8a8_dirs) -> dict:
+    quantized, float_mtp = w8a8_dirs["quantized_mtp"], w8a8_dirs["float_mtp"]
+    jobs = {
+        "w8a8": _job(quantized, logprobs=True),
+        "float": _job(FIXTURE, logprobs=True),
+        "w8a8_k1": _job(quantized, 1, **MTP_MODE),
+        "w8a8_k2": _job(quantized, 2, **MTP_MODE),
+        "w8a8_k3": _job(quantized, 3, **MTP_MODE),
+        "float_mtp_k1": _job(float_mtp, 1, **MTP_MODE),
+        "float_k1": _job(FIXTURE, 1, **MTP_MODE),
+    }
+    results = run_engines(jobs)
+    for key, result in results.items():
+        if isinstance(result, BaseException):
+            raise AssertionError(f"{key}: {result}")
+    return results
+
+
+@pytest.mark.parametrize("key", ["w8a8_k1", "w8a8_k2", "w8a8_k3",
+                                 "float_mtp_k1"])
+def test_mtp_outputs_equal_no_mtp(runs, key):
+    got, k = runs[key], int(key[-1])
+    assert got["outputs"] == runs["w8a8"]["outputs"]
+    metrics = got["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
+    assert metrics["vllm:num_preemptions"] > 0, metrics
+    info = got["inspect"]
+    assert info["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert info["graphs"]["replayed"], info["graphs"]
+    # The draft runs on the target's float embedding and LM head.
+    assert info["draft_own_vocab_params"] == []
+    assert info["draft_embed_ptr"] == info["target_embed_ptr"]
+    assert info["draft_lm_head_ptrs"] == [info["target_lm_head_ptr"]]
+
+
+def _acceptance(run) -> float:
+    m = run["metrics"]
+    return (m["vllm:spec_decode_num_accepted_tokens"] /
+            m["vllm:spec_decode_num_draft_tokens"])
+
+
+def test_quality_against_float(runs):
+    """Teacher-forced next-token predictions over the prompts: top-1
+    agreement and the largest log-probability error, W8A8 vs float; MTP
+    acceptance of both."""
+    agree = total = 0
+    max_error = 0.0
+    for quant_seq, float_seq in zip(runs["w8a8"]["prompt_logprobs"],
+                                    runs["float"]["prompt_logprobs"]):
+        for q, f in zip(quant_seq, float_seq):
+            if q is None:
+                continue
+            q_top = max(q, key=q.get)
+            f_top = max(f, key=f.get)
+            agree += q_top == f_top
+            total += 1
+            max_error = max(max_error, max(abs(q[t] - f[t]) for t in f))
+    acceptance = {key: _acceptance(runs[key])
+                  for key in ("w8a8_k1", "float_mtp_k1", "float_k1")}
+    print(f"\nW8A8 vs float over {total} positions: top-1 agreement "
+          f"{agree / total:.3f}, max log-prob error {max_error:.3f}; MTP "
+          f"k=1 acceptance: W8A8 {acceptance['w8a8_k1']:.3f}, W8A8 with "
+          f"float MTP {acceptance['float_mtp_k1']:.3f}, float "
+          f"{acceptance['float_k1']:.3f}")
+    assert total > 100
+    assert agree / total >= 0.95
+    assert max_error < 1.0
+    for key in ("w8a8_k1", "float_mtp_k1"):
+        assert acceptance[key] >= acceptance["float_k1"] - 0.1, acceptance
+
+
+# --- every served parameter comes from the checkpoint ---------------------
+
+FUSED = [(re.compile(r"\.self_attn\.[qkv]_proj\."), ".self_attn.qkv_proj."),
+         (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj."),
+         (re.compile(r"\.experts\.\d+\.(gate|up)_proj\."), ".experts.w13_"),
+         (re.compile(r"\.experts\.\d+\.down_proj\."), ".experts.w2_")]
+# One value per fused part in the checkpoint, one in the served layer.
+SHARED_VALUE = (".input_scale", ".input_offset")
+
+
+def _served_name(name: str) -> str:
+    for pattern, repl in FUSED[2:] + FUSED[:2]:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def _expected_sums(model_dir) -> dict[str, list]:
+    """Served parameter name -> [numel, sum] from the checkpoint tensors;
+    weight offsets must be zero (symmetric) and are not served."""
+    groups: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    shared: dict[str, set] = defaultdict(set)
+    with safe_open(str(model_dir / "model.safetensors"),
+                   framework="pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name).double()
+            if name.endswith("weight_offset"):
+                assert not t.any(), name
+                continue
+            served = _served_name(name)
+            if name.endswith(SHARED_VALUE):
+                shared[served].add(t.item())
+                continue
+            groups[served][0] += t.numel()
+            groups[served][1] += t.sum().item()
+    for name, values in shared.items():
+        assert len(values) == 1, (name, values)
+        groups[name] = [1, values.pop()]
+    return dict(groups)
+
+
+def _served_sums(info: dict) -> dict[str, list]:
+    served = {n: v for n, v in info["param_sums"].items()}
+    for name, value in info.get("draft_param_sums", {}).items():
+        # vLLM's MTP module holds the decoder layer as mtp_block; the
+        # embedding and head it shares are the target's.
+        served.setdefault(name.replace(".mtp_block.", "."), value)
+    return served
+
+
+@pytest.mark.parametrize("key,checkpoint,mtp_dtype", [
+    ("w8a8_k1", "quantized_mtp", "torch.int8"),
+    ("float_mtp_k1", "float_mtp", "torch.float32"),
+])
+def test_every_parameter_loaded(runs, w8a8_dirs, key, checkpoint,
+                                mtp_dtype):
+    served = _served_sums(runs[key]["inspect"])
+    expected = _expected_sums(w8a8_dirs[checkpoint])
+    # The MTP layer's copies of the embedding and head are not served: the
+    # draft uses the target's.
+    mtp = f"model.layers.{NUM_LAYERS}."
+    for copy in ("embed_tokens.weight", "shared_head.head.weight"):
+        expected.pop(mtp + copy, None)
+        served.pop(mtp + copy, None)
+    assert sorted(served) == sorted(expected)
+    for name, (numel, total) in expected.items():
+        got_numel, got_total, _ = served[name]
+        assert got_numel == numel, name
+        assert got_total == pytest.approx(total, rel=1e-6, abs=1e-6), name
+    dtypes = {n: v[2] for n, v in served.items()}
+    assert dtypes["model.layers.1.mlp.experts.w13_weight"] == "torch.int8"
+    assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == "torch.int8"
+    assert dtypes["model.embed_tokens.weight"] == "torch.float32"
+    assert dtypes["lm_head.weight"] == "torch.float32"
+    assert dtypes[f"{mtp}eh_proj.weight"] == mtp_dtype
+    assert dtypes[f"{mtp}mlp.experts.w13_weight"] == mtp_dtype

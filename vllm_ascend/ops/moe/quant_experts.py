@@ -1,0 +1,126 @@
+"""W8A8_DYNAMIC routed experts: int8 weights with per-channel scales,
+activations quantized per token before each grouped matmul.
+
+``w13`` is int8 [E_local, 2I, H], ``w2`` int8 [E_local, H, I] (the float
+layout of ``experts``), ``w13_scale`` float32 [E_local, 2I], ``w2_scale``
+float32 [E_local, H]. Per expert, as the NPU computes it:
+
+    q, s = dynamic_quant(x)
+    gate_up = (q @ w13^T) * w13_scale * s             (in x.dtype)
+    h = silu(gate) * up                               (in x.dtype)
+    q2, s2 = dynamic_quant(h)
+    y = (q2 @ w2^T) * w2_scale * s2, weighted and summed per token.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ascend.compilation.graph_emulator import kernel
+from vllm_ascend.ops import quant
+from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
+                                         _npu_unpermute)
+
+
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                  w2_scale: torch.Tensor) -> None:
+    if (w13.dtype != torch.int8 or w2.dtype != torch.int8
+            or w13_scale.shape != w13.shape[:2]
+            or w2_scale.shape != w2.shape[:2]):
+        raise ValueError(
+            "moe_experts_w8a8 expects int8 w13 [E, 2I, H] and w2 [E, H, I] "
+            "with float32 scales [E, 2I] and [E, H]; got "
+            f"{w13.dtype} {tuple(w13.shape)}, {w2.dtype} {tuple(w2.shape)}, "
+            f"{tuple(w13_scale.shape)}, {tuple(w2_scale.shape)}.")
+
+
+@kernel
+def moe_experts_w8a8_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: Optional[torch.Tensor] = None,
+    apply_router_weight_on_input: bool = False,
+    activation: str = "silu",
+) -> torch.Tensor:
+    _check(x, w13, w2, topk_weights, topk_ids, activation)
+    _check_scales(w13, w2, w13_scale, w2_scale)
+    local = _local_ids(topk_ids, expert_map)
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in local[local >= 0].unique().tolist():
+        tokens, slots = (local == e).nonzero(as_tuple=True)
+        weight = topk_weights[tokens, slots].float().unsqueeze(1)
+        xe = x[tokens]
+        if apply_router_weight_on_input:
+            xe = (xe.float() * weight).to(x.dtype)
+        q, s = quant.dynamic_quant_ref(xe)
+        gate_up = quant.quant_matmul_ref(q, w13[e].t(), w13_scale[e], s,
+                                         out_dtype=x.dtype).float()
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        q2, s2 = quant.dynamic_quant_ref(h)
+        ye = quant.quant_matmul_ref(q2, w2[e].t(), w2_scale[e], s2,
+                                    out_dtype=torch.float32)
+        if not apply_router_weight_on_input:
+            ye = ye * weight
+        out.index_add_(0, tokens, ye)
+    return out.to(x.dtype)
+
+
+def _moe_experts_w8a8_npu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: Optional[torch.Tensor] = None,
+    apply_router_weight_on_input: bool = False,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Permute, per-token quantize, two int8 grouped matmuls with SwiGLU
+    between them, un-permute (``experts._moe_experts_npu``'s steps)."""
+    _check(x, w13, w2, topk_weights, topk_ids, activation)
+    _check_scales(w13, w2, w13_scale, w2_scale)
+    if apply_router_weight_on_input:
+        return moe_experts_w8a8_ref(x, w13, w2, w13_scale, w2_scale,
+                                    topk_weights, topk_ids,
+                                    expert_map=expert_map,
+                                    apply_router_weight_on_input=True,
+                                    activation=activation)
+    import torch_npu
+    permuted, src_slot, group_ends = _npu_permute(x, topk_ids, expert_map,
+                                                  w13.shape[0])
+    q, s = torch_npu.npu_dynamic_quant(permuted)
+    gate_up = torch_npu.npu_grouped_matmul([q], [w13.transpose(1, 2)],
+                                           scale=[w13_scale],
+                                           per_token_scale=[s],
+                                           group_list=group_ends,
+                                           split_item=2,
+                                           group_type=0,
+                                           group_list_type=0,
+                                           output_dtype=x.dtype)[0]
+    h = torch_npu.npu_swiglu(gate_up, dim=-1)
+    q2, s2 = torch_npu.npu_dynamic_quant(h)
+    y = torch_npu.npu_grouped_matmul([q2], [w2.transpose(1, 2)],
+                                     scale=[w2_scale],
+                                     per_token_scale=[s2],
+                                     group_list=group_ends,
+                                     split_item=2,
+                                     group_type=0,
+                                     group_list_type=0,
+                                     output_dtype=x.dtype)[0]
+    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+
+
+moe_experts_w8a8 = (_moe_experts_w8a8_npu
+                    if use_npu() else moe_experts_w8a8_ref)

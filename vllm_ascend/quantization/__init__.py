@@ -1,0 +1,1 @@
+"""Ascend (msModelSlim) W8A8 checkpoints: ``--quantization ascend``."""
