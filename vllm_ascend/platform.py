@@ -219,3 +219,10 @@ def _check_npu_limits(vllm_config: "VllmConfig") -> None:
             "(the fused attention needs a multiple of "
             f"{NPU_BLOCK_SIZE_MULTIPLE} in [{low}, {high}]): use --block-size "
             f"{DEFAULT_BLOCK_SIZE}.")
+    if (model_config is not None and model_config.quantization == "ascend"
+            and model_config.dtype == torch.float16):
+        raise ValueError(
+            "--quantization ascend with --dtype float16 is not supported by "
+            "vllm_ascend (its W8A8 matmuls dequantize with float32 scales, "
+            "which the NPU kernel takes for bfloat16 output): use --dtype "
+            "bfloat16.")

@@ -8,14 +8,17 @@ acceptance are reported next to the float model's.
 """
 
 import json
+import random
 import re
 from collections import defaultdict
 
 import pytest
 from safetensors import safe_open
 
+from tests.e2e.checkpoints import write_random_glm45
 from tests.e2e.engine import run_engines
-from tests.quantization.checkpoints import FIXTURE
+from tests.npu.helpers import NPU_ENV
+from tests.quantization.checkpoints import FIXTURE, quantize
 
 MAX_NEW = 20
 VOCAB = json.loads((FIXTURE / "config.json").read_text())["vocab_size"]
@@ -197,3 +200,52 @@ def test_every_parameter_loaded(runs, w8a8_dirs, key, checkpoint,
     assert dtypes["lm_head.weight"] == "torch.float32"
     assert dtypes[f"{mtp}eh_proj.weight"] == mtp_dtype
     assert dtypes[f"{mtp}mlp.experts.w13_weight"] == mtp_dtype
+
+
+# --- through the NPU code paths (the torch_npu double off an NPU) ---------
+
+NPU_CAPTURE_SIZES = [1, 4, 8, 16]
+
+
+@pytest.fixture(scope="module")
+def npu_runs(tmp_path_factory) -> dict:
+    """A random GLM-4.5 with GLM-4.5's head_dim, W8A8 with its MTP layer
+    quantized, on the NPU paths in bfloat16: without MTP, and with k = 1,
+    2, 3 under chunked prefill and preemption."""
+    tmp = tmp_path_factory.mktemp("w8a8-npu")
+    model = quantize(write_random_glm45(tmp / "float", head_dim=128, seed=3),
+                     tmp / "w8a8")
+    rng = random.Random(7)
+    lengths = [rng.randrange(1, 40) for _ in range(5)] + [120, 122]
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in lengths]
+    engine = dict(model=str(model), skip_tokenizer_init=True,
+                  quantization="ascend", max_model_len=256, max_num_seqs=8,
+                  seed=0, kv_cache_memory_bytes=64 << 20,
+                  compilation_config={"cudagraph_capture_sizes":
+                                      NPU_CAPTURE_SIZES})
+    sampling = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    mode = dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
+                num_gpu_blocks_override=3)
+    jobs = {0: dict(engine=engine, prompts=prompts, sampling=sampling,
+                    env=NPU_ENV)}
+    for k in (1, 2, 3):
+        spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k)
+        jobs[k] = dict(engine=dict(engine, speculative_config=spec, **mode),
+                       prompts=prompts, sampling=sampling, env=NPU_ENV,
+                       inspect=True)
+    return run_engines(jobs)
+
+
+@pytest.mark.npu
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_npu_mtp_outputs_equal_no_mtp(npu_runs, k):
+    for key in (0, k):
+        if isinstance(npu_runs[key], BaseException):
+            raise npu_runs[key]
+    got = npu_runs[k]
+    assert got["outputs"] == npu_runs[0]["outputs"]
+    metrics = got["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:num_preemptions"] > 0, metrics
+    assert got["inspect"]["param_sums"][
+        "model.layers.1.mlp.experts.w13_weight"][2] == "torch.int8"

@@ -1,11 +1,11 @@
 """The original report's ``vllm serve`` command on the NPU code paths.
 
-Every flag of the report except ``--quantization ascend`` (W8A8 is its own
-issue), with DP and TP 1 and this host's limits (``--max-model-len`` within
-the checkpoint's positions), graph mode by default: the server starts,
-answers completions and chat, and
-with MTP k = 1 its greedy answers equal those without MTP, which equal the
-offline engine on the same code path.
+Every flag of the report, ``--quantization ascend`` on a W8A8 checkpoint
+with a float MTP layer (tools/quantize_w8a8.py --float-mtp) included, with
+DP and TP 1 and this host's limits (``--max-model-len`` within the
+checkpoint's positions), graph mode by default: the server starts, answers
+completions and chat, and with MTP k = 1 its greedy answers equal those
+without MTP, which equal the offline engine on the same code path.
 """
 
 import json
@@ -20,6 +20,7 @@ from demo_serve import ServeProcess, free_port
 from tests.e2e.checkpoints import write_random_glm45
 from tests.e2e.engine import run_engine
 from tests.npu.helpers import NPU_ENV
+from tests.quantization.checkpoints import quantize
 
 pytestmark = pytest.mark.npu
 
@@ -35,13 +36,15 @@ STARTUP_TIMEOUT = 300
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A random GLM-4.5 with GLM-4.5's head_dim and the fixture's
-    tokenizer (its vocabulary size)."""
-    path = write_random_glm45(tmp_path_factory.mktemp("glm45-serve"),
-                              seed=2, head_dim=128, vocab_size=640,
+    tokenizer (its vocabulary size), as W8A8 with a float MTP layer: the
+    report's glm4.5_w8a8_with_float_mtp."""
+    tmp = tmp_path_factory.mktemp("glm45-serve")
+    path = write_random_glm45(tmp / "float", seed=2, head_dim=128,
+                              vocab_size=640,
                               max_position_embeddings=MAX_MODEL_LEN)
     for name in TOKENIZER_FILES:
         shutil.copy(FIXTURE / name, path / name)
-    return path
+    return quantize(path, tmp / "w8a8_with_float_mtp", "--float-mtp")
 
 
 def original_command(model: Path, port: int, mtp: bool) -> list[str]:
@@ -60,7 +63,7 @@ def original_command(model: Path, port: int, mtp: bool) -> list[str]:
         }),
         "--compilation-config",
         json.dumps({"cudagraph_capture_sizes": [1, 4, 8, 16, 32, 48, 64]}),
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--quantization", "ascend",
     ]
     if mtp:
         args += ["--speculative-config", json.dumps({
@@ -112,6 +115,8 @@ def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp):
     assert got["texts"] == no_mtp["texts"]
     assert got["chat"] == no_mtp["chat"]
     assert "vllm_ascend runs on npu" in got["log"]
+    assert re.search(r"Ascend quantization from .*: \d+ tensors \(FLOAT \d+, "
+                     r"W8A8 \d+, W8A8_DYNAMIC \d+\)", got["log"])
     # Graph mode by default (vLLM's FULL_AND_PIECEWISE: full graphs
     # for verify batches and the draft, piecewise for the rest), with
     # the report's capture sizes rounded to 1 + k.
@@ -128,7 +133,10 @@ def test_served_answers_equal_offline_engine(checkpoint, no_mtp):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     offline = run_engine(
         dict(model=str(checkpoint), skip_tokenizer_init=True, seed=1024,
+             quantization="ascend",
              max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20),
         prompts, dict(temperature=0, max_tokens=16, ignore_eos=True),
         env=NPU_ENV)["outputs"]
-    assert [tokenizer.decode(ids) for ids in offline] == no_mtp["texts"]
+    # The server skips special tokens when it detokenizes.
+    assert [tokenizer.decode(ids, skip_special_tokens=True)
+            for ids in offline] == no_mtp["texts"]

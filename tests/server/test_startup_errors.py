@@ -17,12 +17,14 @@ from demo_serve import MTP_CONFIG, free_port, serve_args, vllm_executable
 from safetensors.torch import load_file, save_file
 
 from tests.npu.helpers import NPU_ENV
+from tests.quantization.checkpoints import quantize
 
 TIMEOUT = 240
 # Past this line in the output the engine core is being started: the
 # configuration was accepted, so a config-time check did not fire.
 PAST_CONFIG = "EngineCore_DP0"
 MISSING = "model.layers.2.mlp.experts.5.down_proj.weight"
+NO_SCALE = "model.layers.1.self_attn.o_proj.deq_scale"
 
 
 def _variant(src: Path, dst: Path) -> Path:
@@ -74,8 +76,25 @@ def _cases(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], dict]]:
         out[out.index("--dtype") + 1] = "bfloat16"
         return out + list(extra)
 
+    # W8A8 (tools/quantize_w8a8.py) without one layer's deq_scale, in
+    # the shards and in the description.
+    no_scale = quantize(model_dir, tmp / "w8a8-no-scale")
+    tensors = load_file(str(no_scale / "model.safetensors"))
+    del tensors[NO_SCALE]
+    save_file(tensors, str(no_scale / "model.safetensors"),
+              metadata={"format": "pt"})
+    description = json.loads(
+        (no_scale / "quant_model_description.json").read_text())
+    del description[NO_SCALE]
+    (no_scale / "quant_model_description.json").write_text(
+        json.dumps(description))
+    ascend = ["--quantization", "ascend"]
+
     float32 = args(model_dir, MTP_CONFIG)
     return {
+        "ascend_float_checkpoint": (args(model_dir, MTP_CONFIG) + ascend,
+                                    cpu),
+        "ascend_no_scale": (args(no_scale, MTP_CONFIG) + ascend, cpu),
         "npu_float32": (float32, NPU_ENV),
         "npu_head_dim": (npu_args(model_dir), NPU_ENV),
         "npu_block_size": (npu_args(head_128, "--block-size", "16"), NPU_ENV),
@@ -161,6 +180,17 @@ def test_missing_expert_tensor(outcomes):
                        f"requires: {MISSING}")
 
 
+def test_ascend_quantization_errors(outcomes):
+    # The flag is accepted; what the checkpoint lacks is named.
+    _assert_fails_with(
+        outcomes["ascend_float_checkpoint"],
+        "--quantization ascend needs quant_model_description.json in ")
+    _assert_fails_with(
+        outcomes["ascend_no_scale"],
+        "model.layers.1.self_attn.o_proj.weight is W8A8 but the checkpoint "
+        f"has no {NO_SCALE}: re-export the checkpoint")
+
+
 def test_npu_limits_fail_at_startup(outcomes):
     # What the fused attention cannot run, in one line, with what to use.
     _assert_fails_with(
@@ -180,7 +210,8 @@ def test_npu_limits_fail_at_startup(outcomes):
 
 @pytest.mark.parametrize("case", [
     "unknown_device", "mtp_without_mtp_layers", "zero_speculative_tokens",
-    "npu_float32", "npu_head_dim", "npu_block_size"
+    "npu_float32", "npu_head_dim", "npu_block_size",
+    "ascend_float_checkpoint", "ascend_no_scale"
 ])
 def test_config_error_has_no_traceback(outcomes, case):
     code, output = outcomes[case]

@@ -66,9 +66,13 @@ def _dynamic_quant_npu(
 
 def _static_quant_npu(x: torch.Tensor, scale: torch.Tensor,
                       offset: torch.Tensor) -> torch.Tensor:
+    """npu_quantize multiplies (div_mode=False) by per-channel scales of
+    x's dtype: the per-tensor reciprocal and offset, expanded."""
     import torch_npu
-    return torch_npu.npu_quantize(x, scale.to(x.dtype), offset.to(x.dtype),
-                                  torch.qint8, -1, True)
+    k = x.shape[-1]
+    return torch_npu.npu_quantize(x, (1.0 / scale.float()).to(
+        x.dtype).expand(k).contiguous(), offset.to(x.dtype).expand(
+            k).contiguous(), torch.qint8, -1, False)
 
 
 def _quant_matmul_npu(q: torch.Tensor,

@@ -64,13 +64,15 @@ class AscendQuantConfig(QuantizationConfig):
 
     @staticmethod
     def get_config_filenames() -> list[str]:
-        return [DESCRIPTION_FILE]
+        # None: vLLM then builds the config empty (or from config.json's
+        # quantization_config) and maybe_update_config reads the
+        # description from the model directory, with our error if absent.
+        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AscendQuantConfig":
-        # The description itself (found by get_config_filenames), or
-        # config.json's {"quant_method": "ascend"}: then the description is
-        # read in maybe_update_config, which knows the model directory.
+        # config.json's {"quant_method": "ascend"}, or the description
+        # itself.
         if any("." in key for key in config):
             return cls(QuantDescription(config, DESCRIPTION_FILE))
         return cls()

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from . import npu as _npu_module
 from ._ops import (_npu_reshape_and_cache, npu_add_rms_norm,  # noqa: F401
                    npu_fused_infer_attention_score, npu_grouped_matmul,
-                   npu_moe_gating_top_k, npu_moe_init_routing_v2,
+                   npu_dynamic_quant, npu_moe_gating_top_k,
+                   npu_moe_init_routing_v2, npu_quant_matmul, npu_quantize,
                    npu_rms_norm, npu_rotary_mul, npu_swiglu)
 
 CONTRACT_DOUBLE = True

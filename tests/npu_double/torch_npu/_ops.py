@@ -491,19 +491,43 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
     check(group_type is not None, op,
           "Requires manual passing group_type, current is None.")
     check(split_item in (0, 1, 2, 3), op, "Invalid value of split_item")
-    if any(t is not None for t in (bias, scale, offset, antiquant_scale,
-                                   antiquant_offset, per_token_scale,
-                                   activation_input)):
-        raise NotImplementedError("the double implements the unquantized "
-                                  "grouped matmul without bias only")
+    if any(t is not None for t in (bias, offset, antiquant_scale,
+                                   antiquant_offset, activation_input)):
+        raise NotImplementedError("the double implements the grouped "
+                                  "matmul without bias, float or int8 "
+                                  "with per-channel scales")
     check(len(x) == 1 and len(weight) == 1 and weight[0].dim() == 3
           and group_type == 0 and split_item in (2, 3), op,
           "the double implements one x, one 3-D weight, group_type=0, "
           "split_item 2 or 3")
     a, w = x[0], weight[0]
     check(a.dim() == 2, op, "x must be 2-D with split_item 2/3")
-    check(a.dtype == w.dtype and a.dtype in FLOATS, op,
-          f"x {a.dtype} and weight {w.dtype} must be one float dtype")
+    quantized = a.dtype == torch.int8
+    if quantized:
+        # The A8W8 case: int8 x and weight, per-channel scale [E, N],
+        # per-token scale [M] (float32), a float16/bfloat16 result.
+        check(w.dtype == torch.int8, op, "int8 x needs an int8 weight")
+        check(output_dtype in HALF, op,
+              "int8 x needs output_dtype float16 or bfloat16")
+        check(isinstance(scale, (list, tuple)) and len(scale) == 1, op,
+              "int8 x needs scale, a list of one tensor")
+        check(scale[0].shape == (w.shape[0], w.shape[2]), op,
+              f"scale must be [E, N]={[w.shape[0], w.shape[2]]}, got "
+              f"{list(scale[0].shape)}")
+        allowed = ((torch.float32, torch.bfloat16)
+                   if output_dtype == torch.bfloat16 else (torch.float32, ))
+        _dtype(scale[0], allowed, op, "scale")
+        check(isinstance(per_token_scale, (list, tuple))
+              and len(per_token_scale) == 1, op,
+              "per_token_scale must be a list of one tensor")
+        check(per_token_scale[0].dtype == torch.float32
+              and per_token_scale[0].shape == (a.shape[0], ), op,
+              f"per_token_scale must be float32 [M={a.shape[0]}]")
+    else:
+        check(scale is None and per_token_scale is None, op,
+              "scale and per_token_scale need int8 x and weight")
+        check(a.dtype == w.dtype and a.dtype in FLOATS, op,
+              f"x {a.dtype} and weight {w.dtype} must be one float dtype")
     check(a.shape[1] == w.shape[1], op,
           f"x [M, K={a.shape[1]}] does not match weight [E, K={w.shape[1]}"
           ", N]")
@@ -532,7 +556,115 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
                      dtype=output_dtype or a.dtype)
     row = 0
     for e, n in enumerate(counts):
-        out[row:row + n] = (a[row:row + n].float() @ w[e].float()).to(
-            out.dtype)
+        rows = slice(row, row + n)
+        if quantized:
+            acc = (a[rows].double() @ w[e].double()).float()
+            y = (acc * scale[0][e].float() *
+                 per_token_scale[0][rows].unsqueeze(1))
+        else:
+            y = a[rows].float() @ w[e].float()
+        out[rows] = y.to(out.dtype)
         row += n
     return [out]
+
+
+# --- W8A8 quantization ---------------------------------------------------
+
+def _rint_int8(x: torch.Tensor) -> torch.Tensor:
+    # Round half to even (the kernels' RINT cast), saturate to int8.
+    return torch.round(x).clamp(-128, 127).to(torch.int8)
+
+
+@traced("torch_npu.npu_dynamic_quant")
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None,
+                      dst_type=None):
+    """docs/context/torch_npu-npu_dynamic_quant.md: per-token symmetric
+    quantization, scale = max|x| / 127 over the last axis; float16 or
+    bfloat16 input of more than one dim; (int8 y, float32 scale of
+    input.shape[:-1])."""
+    op = "npu_dynamic_quant"
+    _kernel()
+    _dtype(input, HALF, op, "input")
+    check(2 <= input.dim() <= 8 and input.numel() > 0, op,
+          "input must have 2-8 dims and not be empty")
+    check(smooth_scales is None and group_index is None, op,
+          "the double implements the call without smooth_scales")
+    check(dst_type in (None, torch.int8), op,
+          "the double implements dst_type int8 only")
+    x = input.float()
+    scale = x.abs().amax(dim=-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _rint_int8(x / safe.unsqueeze(-1)), scale
+
+
+@traced("torch_npu.npu_quantize")
+def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
+    """docs/context/torch_npu-npu_quantize.md: y = round(x * scales +
+    zero_points) with div_mode=False (x / scales with True), scales and
+    zero_points broadcast along ``axis``; dtype torch.qint8 gives int8.
+    With div_mode=False scales and zero_points are 1-D, as long as
+    input's ``axis`` dim, in input's dtype."""
+    op = "npu_quantize"
+    _kernel()
+    _dtype(input, FLOATS, op, "input")
+    check(dtype == torch.qint8, op, "the double implements torch.qint8 "
+          "(int8) output only")
+    check(not div_mode, op, "the double implements div_mode=False (the "
+          "mode whose scales are per channel of input's last axis)")
+    check(axis in (-1, input.dim() - 1), op, "axis must be the last dim")
+    k = input.shape[-1]
+    for name, t in (("scales", scales), ("zero_points", zero_points)):
+        check(t is not None and t.dim() == 1 and t.shape[0] == k, op,
+              f"{name} must be 1-D of input's last dim {k}")
+        check(t.dtype == input.dtype, op,
+              f"{name} dtype {t.dtype} must equal input dtype {input.dtype}")
+    return _rint_int8(input.float() * scales.float() + zero_points.float())
+
+
+@traced("torch_npu.npu_quant_matmul")
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
+                     bias=None, output_dtype=None, x1_dtype=None,
+                     x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None):
+    """docs/context/torch_npu-npu_quant_matmul.md, the A8W8 cases:
+    int8 x1 [M, K] and x2 [K, N]; y = (x1 @ x2 + bias) * scale
+    (* pertoken_scale[m]). scale [N] or [1]: float32 or bfloat16 (bfloat16
+    output), float32 with pertoken_scale; pertoken_scale float32 [M];
+    bias int32 [N] (or bfloat16/float32 with bfloat16 output)."""
+    op = "npu_quant_matmul"
+    _kernel()
+    check(x1.dtype == torch.int8 and x2.dtype == torch.int8, op,
+          "x1 and x2 must be int8")
+    check(x1.dim() == 2 and x2.dim() == 2 and x1.shape[1] == x2.shape[0],
+          op, f"x1 [M, K] and x2 [K, N] do not match: {list(x1.shape)}, "
+          f"{list(x2.shape)}")
+    check(offset is None, op, "offset is for int8 output only")
+    check(output_dtype in HALF, op, "the double implements float16 or "
+          "bfloat16 output")
+    n = x2.shape[1]
+    check(scale.dim() == 1 and scale.shape[0] in (1, n), op,
+          f"scale must be 1-D of size 1 or N={n}")
+    if pertoken_scale is not None:
+        check(pertoken_scale.dtype == torch.float32
+              and pertoken_scale.shape == (x1.shape[0], ), op,
+              f"pertoken_scale must be float32 [M={x1.shape[0]}]")
+        allowed = ((torch.float32, torch.bfloat16)
+                   if output_dtype == torch.bfloat16 else (torch.float32, ))
+    else:
+        allowed = ((torch.float32, torch.bfloat16)
+                   if output_dtype == torch.bfloat16 else (torch.int64, ))
+    _dtype(scale, allowed, op, "scale")
+    if bias is not None:
+        check(bias.dim() == 1 and bias.shape[0] == n, op,
+              f"bias must be [N={n}]")
+        _dtype(bias, (torch.int32, ) if output_dtype == torch.float16 else
+               (torch.int32, torch.bfloat16, torch.float32), op, "bias")
+    acc = x1.double() @ x2.double()
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
+    y = acc.float() * scale.float()
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.unsqueeze(1)
+    if bias is not None and bias.dtype != torch.int32:
+        y = y + bias.float()
+    return y.to(output_dtype)
