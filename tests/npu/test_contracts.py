@@ -286,3 +286,84 @@ def test_runtime_contracts(tnpu):
         event.record(object())
     with pytest.raises(TypeError, match="unexpected"):
         torch.npu.Event(enable_timing=False, device=0)
+
+
+def test_dynamic_quant(tnpu):
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]).to(BF16)
+    q, scale = tnpu.npu_dynamic_quant(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, torch.tensor([2.0 / 127, 0.0]))
+    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [0, 0, 0]
+    for bad, match in [(x.float(), "input"), (x[0], "2-8 dims")]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_dynamic_quant(bad)
+
+
+def test_quantize(tnpu):
+    x = torch.tensor([[1.0, -3.0], [100.0, 0.26]]).to(BF16)
+    scales = torch.tensor([2.0, 0.5]).to(BF16)
+    offsets = torch.tensor([1.0, 0.0]).to(BF16)
+    q = tnpu.npu_quantize(x, scales, offsets, torch.qint8, -1, False)
+    # y = round(x * scale + offset), saturated to int8.
+    assert q.dtype == torch.int8
+    assert q.tolist() == [[3, -2], [127, 0]]
+    for args, match in [
+        ((x, scales.float(), offsets, torch.qint8, -1, False), "scales dtype"),
+        ((x, scales[:1], offsets, torch.qint8, -1, False), "scales must"),
+        ((x, scales, offsets, torch.quint8, -1, False), "qint8"),
+        ((x, scales, offsets, torch.qint8, 0, False), "axis"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_quantize(*args)
+
+
+def test_quant_matmul(tnpu):
+    x1 = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
+    x2 = torch.tensor([[2, 0, 1], [1, 1, -1]], dtype=torch.int8)
+    scale = torch.tensor([0.5, 1.0, 2.0])
+    pertoken = torch.tensor([1.0, 0.25])
+    y = tnpu.npu_quant_matmul(x1, x2, scale, pertoken_scale=pertoken,
+                              output_dtype=BF16)
+    assert y.dtype == BF16
+    assert y.float().tolist() == [[0.0, -2.0, 6.0], [1.25, 1.0, -0.5]]
+    bias = torch.tensor([1, 0, -1], dtype=torch.int32)
+    y = tnpu.npu_quant_matmul(x1, x2, scale, bias=bias, output_dtype=BF16)
+    assert y.float().tolist() == [[0.5, -2.0, 4.0], [5.5, 4.0, -4.0]]
+    good = dict(pertoken_scale=pertoken, output_dtype=BF16)
+    for args, change, match in [
+        ((x1.float(), x2, scale), {}, "int8"),
+        ((x1, x2.t(), scale), {}, "do not match"),
+        ((x1, x2, scale[:2]), {}, "size 1 or N"),
+        ((x1, x2, scale), dict(pertoken_scale=pertoken.to(BF16)),
+         "pertoken_scale"),
+        ((x1, x2, scale), dict(output_dtype=torch.float32), "bfloat16"),
+        ((x1, x2, scale.to(BF16)), dict(output_dtype=torch.float16),
+         "scale"),
+        ((x1, x2, scale), dict(pertoken_scale=None, bias=bias.float(),
+                               output_dtype=torch.float16), "int64"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_quant_matmul(*args, **{**good, **change})
+
+
+def test_grouped_matmul_int8(tnpu):
+    x = torch.tensor([[1, 2], [3, -1], [0, 5]], dtype=torch.int8)
+    w = torch.tensor([[[1, 0], [0, 1]], [[2, 1], [1, -1]]], dtype=torch.int8)
+    scale = torch.tensor([[1.0, 0.5], [0.25, 2.0]])
+    pertoken = torch.tensor([1.0, 2.0, 0.5])
+    counts = torch.tensor([1, 2])
+    gm = dict(scale=[scale], per_token_scale=[pertoken], group_list=counts,
+              split_item=2, group_type=0, group_list_type=1,
+              output_dtype=BF16)
+    y = tnpu.npu_grouped_matmul([x], [w], **gm)[0]
+    # Row 0 uses expert 0, rows 1-2 expert 1; y = x @ w * scale * pertoken.
+    assert y.float().tolist() == [[1.0, 1.0], [2.5, 16.0], [0.625, -5.0]]
+    for change, match in [(dict(output_dtype=None), "output_dtype"),
+                          (dict(scale=[scale[:1]]), "scale must be"),
+                          (dict(per_token_scale=[pertoken.to(BF16)]),
+                           "per_token_scale"),
+                          (dict(per_token_scale=None), "per_token_scale")]:
+        with pytest.raises(RuntimeError, match=match):
+            tnpu.npu_grouped_matmul([x], [w], **{**gm, **change})
+    with pytest.raises(RuntimeError, match="int8 weight"):
+        tnpu.npu_grouped_matmul([x], [w.to(BF16)], **gm)
