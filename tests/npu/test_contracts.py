@@ -307,11 +307,16 @@ def test_quantize(tnpu):
     # y = round(x * scale + offset), saturated to int8.
     assert q.dtype == torch.int8
     assert q.tolist() == [[3, -2], [127, 0]]
+    # One scale for every channel, no zero points; axis 1 is the last axis.
+    q = tnpu.npu_quantize(x, scales[:1], None, torch.qint8, 1, False)
+    assert q.tolist() == [[2, -6], [127, 1]]
+    three = torch.ones(3, dtype=BF16)
     for args, match in [
         ((x, scales.float(), offsets, torch.qint8, -1, False), "scales dtype"),
-        ((x, scales[:1], offsets, torch.qint8, -1, False), "scales must"),
+        ((x, three, offsets, torch.qint8, -1, False), "scales must"),
+        ((x, scales, three, torch.qint8, -1, False), "zero_points must"),
         ((x, scales, offsets, torch.quint8, -1, False), "qint8"),
-        ((x, scales, offsets, torch.qint8, 0, False), "axis"),
+        ((x, scales, offsets, torch.qint8, -2, False), "axis"),
     ]:
         with pytest.raises(RuntimeError, match=match):
             tnpu.npu_quantize(*args)
@@ -349,7 +354,7 @@ def test_quant_matmul(tnpu):
 def test_grouped_matmul_int8(tnpu):
     x = torch.tensor([[1, 2], [3, -1], [0, 5]], dtype=torch.int8)
     w = torch.tensor([[[1, 0], [0, 1]], [[2, 1], [1, -1]]], dtype=torch.int8)
-    scale = torch.tensor([[1.0, 0.5], [0.25, 2.0]])
+    scale = torch.tensor([[1.0, 0.5], [0.25, 2.0]]).to(BF16)
     pertoken = torch.tensor([1.0, 2.0, 0.5])
     counts = torch.tensor([1, 2])
     gm = dict(scale=[scale], per_token_scale=[pertoken], group_list=counts,
@@ -360,6 +365,8 @@ def test_grouped_matmul_int8(tnpu):
     assert y.float().tolist() == [[1.0, 1.0], [2.5, 16.0], [0.625, -5.0]]
     for change, match in [(dict(output_dtype=None), "output_dtype"),
                           (dict(scale=[scale[:1]]), "scale must be"),
+                          (dict(scale=[scale.float()]), "scale dtype"),
+                          (dict(act_type=1), "act_type"),
                           (dict(per_token_scale=[pertoken.to(BF16)]),
                            "per_token_scale"),
                           (dict(per_token_scale=None), "per_token_scale")]:
@@ -367,3 +374,5 @@ def test_grouped_matmul_int8(tnpu):
             tnpu.npu_grouped_matmul([x], [w], **{**gm, **change})
     with pytest.raises(RuntimeError, match="int8 weight"):
         tnpu.npu_grouped_matmul([x], [w.to(BF16)], **gm)
+    with pytest.raises(RuntimeError, match="transposition"):
+        tnpu.npu_grouped_matmul([x.t().contiguous().t()], [w], **gm)

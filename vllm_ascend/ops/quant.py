@@ -9,7 +9,8 @@ int32), and dequantize in float32 as the NPU kernels do:
 - ``dynamic_quant(x)``: per-token symmetric int8, scale = max|x_t| / 127,
   q = clamp(round_half_even(x / scale), -128, 127);
 - ``static_quant(x, scale, offset)``: per-tensor asymmetric int8,
-  q = clamp(round_half_even(x / scale + offset), -128, 127);
+  q = clamp(round_half_even(x * r + o), -128, 127), r = 1 / scale and
+  o = offset rounded to x's dtype, as npu_quantize takes them;
 - ``quant_matmul(q, w_t, scale, pertoken_scale, bias)``:
   y = float32(q @ w_t + bias) * scale[n] (* pertoken_scale[m]), with
   ``w_t`` int8 [K, N] (the NPU's x2 layout) and ``bias`` int32.
@@ -37,10 +38,20 @@ def dynamic_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _round_to_int8(xf / safe.unsqueeze(-1)), scale
 
 
+def _static_quant_params(
+        x: torch.Tensor, scale: torch.Tensor,
+        offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reciprocal scale and the offset in x's dtype, one element each
+    (npu_quantize multiplies by scales of its input's dtype)."""
+    return ((1.0 / scale.float()).to(x.dtype).reshape(1),
+            offset.to(x.dtype).reshape(1))
+
+
 def static_quant_ref(x: torch.Tensor, scale: torch.Tensor,
                      offset: torch.Tensor) -> torch.Tensor:
     """``scale`` and ``offset`` are float32 tensors of one element."""
-    return _round_to_int8(x.float() / scale.float() + offset.float())
+    r, o = _static_quant_params(x, scale, offset)
+    return _round_to_int8(x.float() * r.float() + o.float())
 
 
 def quant_matmul_ref(q: torch.Tensor,
@@ -66,13 +77,10 @@ def _dynamic_quant_npu(
 
 def _static_quant_npu(x: torch.Tensor, scale: torch.Tensor,
                       offset: torch.Tensor) -> torch.Tensor:
-    """npu_quantize multiplies (div_mode=False) by per-channel scales of
-    x's dtype: the per-tensor reciprocal and offset, expanded."""
+    """npu_quantize with div_mode=False: x * r + o."""
     import torch_npu
-    k = x.shape[-1]
-    return torch_npu.npu_quantize(x, (1.0 / scale.float()).to(
-        x.dtype).expand(k).contiguous(), offset.to(x.dtype).expand(
-            k).contiguous(), torch.qint8, -1, False)
+    r, o = _static_quant_params(x, scale, offset)
+    return torch_npu.npu_quantize(x, r, o, torch.qint8, -1, False)
 
 
 def _quant_matmul_npu(q: torch.Tensor,

@@ -18,7 +18,8 @@ from vllm.model_executor.layers.fused_moe.layer import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ascend.ops.moe.fused_moe import route
-from vllm_ascend.ops.moe.quant_experts import moe_experts_w8a8
+from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
+                                                moe_experts_w8a8)
 
 
 class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
@@ -67,7 +68,9 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
             delattr(layer, f"{name}_weight_offset")
             scale = getattr(layer, f"{name}_weight_scale").data
             setattr(layer, f"{name}_weight_scale",
-                    Parameter(scale.squeeze(-1).float().contiguous(),
+                    Parameter(scale.squeeze(-1).to(
+                        expert_scale_dtype(layer.moe_config.in_dtype)).
+                              contiguous(),
                               requires_grad=False))
 
     def get_fused_moe_quant_config(

@@ -1,7 +1,8 @@
 """The torch_npu ops the plugin calls: contract checks, then the semantics.
 
 Each check is written from the op's documentation in Ascend/op-plugin at
-the 7.2.0 tag (what torch_npu 2.8.0 ships; ``docs/context/<op>.md``, the
+the 7.2.0 tag (what torch_npu 2.8.0 ships; ``docs/context/<op>.md``, on
+master ``docs/zh/custom_APIs/torch_npu/<op>.md``; the
 schema in ``op_plugin/config/op_plugin_functions.yaml``) and raises what the
 real op raises (RuntimeError from the kernel's parameter checks, TypeError
 for an argument the schema does not take). Signatures follow the schemas:
@@ -101,7 +102,7 @@ def npu_fused_infer_attention_score(
         pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
         num_key_value_heads=0, sparse_mode=0, inner_precise=0,
         block_size=0, softmax_lse_flag=False, **unsupported):
-    """docs/context/torch_npu-npu_fused_infer_attention_score.md.
+    """torch_npu-npu_fused_infer_attention_score.md.
 
     The double implements the TND layout with a paged KV cache (what the
     plugin calls); the other layouts raise NotImplementedError.
@@ -324,7 +325,7 @@ def npu_swiglu(self, dim=-1):
 
 @traced("torch_npu.npu_rotary_mul")
 def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
-    """docs/context/torch_npu-npu_rotary_mul.md: out = x * r1 +
+    """torch_npu-npu_rotary_mul.md: out = x * r1 +
     rotate(x) * r2; 4-D input, r1, r2; D even and < 896; in BSND layout
     r1/r2 broadcast as 1S1D, BS1D or BSND (interleave: 1S1D only)."""
     op = "npu_rotary_mul"
@@ -360,7 +361,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1,
                          group_select_mode=0, renorm=0, norm_type=0,
                          out_flag=False, routed_scaling_factor=1.0,
                          eps=1e-20):
-    """docs/context/torch_npu-npu_moe_gating_top_k.md (and the equivalent
+    """torch_npu-npu_moe_gating_top_k.md (and the equivalent
     Python of the master doc): the bias only selects, weights are the
     unbiased scores, normalized only for norm_type 1 (sigmoid)."""
     op = "npu_moe_gating_top_k"
@@ -415,7 +416,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
                             expert_tokens_num_type=0,
                             expert_tokens_num_flag=False, quant_mode=0,
                             active_expert_range=(), row_idx_type=0):
-    """docs/context/torch_npu-npu_moe_init_routing_v2.md: a stable sort of
+    """torch_npu-npu_moe_init_routing_v2.md: a stable sort of
     the flat (token, slot) pairs by expert; rows of experts outside
     ``active_expert_range = [start, end)`` go last and are invalid."""
     op = "npu_moe_init_routing_v2"
@@ -475,7 +476,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
                        activation_quant_offset=None, split_item=0,
                        group_type=None, group_list_type=0, act_type=0,
                        tuning_config=None, output_dtype=None):
-    """docs/context/torch_npu-npu_grouped_matmul.md, one x [M, K] and one
+    """torch_npu-npu_grouped_matmul.md, one x [M, K] and one
     3-D weight [E, K, N] grouped on M (group_type 0, split_item 2/3).
 
     The doc asks for sum(group_list) == M. The plugin, as vllm-ascend
@@ -491,6 +492,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
     check(group_type is not None, op,
           "Requires manual passing group_type, current is None.")
     check(split_item in (0, 1, 2, 3), op, "Invalid value of split_item")
+    check(act_type == 0, op, "the double implements act_type 0 (no fused "
+          "activation)")
+    check(activation_quant_scale is None and activation_quant_offset is None,
+          op, "activation_quant_scale/offset only support None")
     if any(t is not None for t in (bias, offset, antiquant_scale,
                                    antiquant_offset, activation_input)):
         raise NotImplementedError("the double implements the grouped "
@@ -502,10 +507,13 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
           "split_item 2 or 3")
     a, w = x[0], weight[0]
     check(a.dim() == 2, op, "x must be 2-D with split_item 2/3")
+    check(a.is_contiguous(), op, "x does not support transposition")
     quantized = a.dtype == torch.int8
     if quantized:
-        # The A8W8 case: int8 x and weight, per-channel scale [E, N],
-        # per-token scale [M] (float32), a float16/bfloat16 result.
+        # The A8W8 case: int8 x and weight, per-channel scale [E, N] (the
+        # doc says 1-D; vllm-ascend and the plugin pass [E, N]), per-token
+        # scale [M] (float32), a float16/bfloat16 result; the scale is
+        # bfloat16 for a bfloat16 result, float32 for float16 (Table 2).
         check(w.dtype == torch.int8, op, "int8 x needs an int8 weight")
         check(output_dtype in HALF, op,
               "int8 x needs output_dtype float16 or bfloat16")
@@ -514,9 +522,8 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
         check(scale[0].shape == (w.shape[0], w.shape[2]), op,
               f"scale must be [E, N]={[w.shape[0], w.shape[2]]}, got "
               f"{list(scale[0].shape)}")
-        allowed = ((torch.float32, torch.bfloat16)
-                   if output_dtype == torch.bfloat16 else (torch.float32, ))
-        _dtype(scale[0], allowed, op, "scale")
+        _dtype(scale[0], (output_dtype if output_dtype == torch.bfloat16
+                          else torch.float32, ), op, "scale")
         check(isinstance(per_token_scale, (list, tuple))
               and len(per_token_scale) == 1, op,
               "per_token_scale must be a list of one tensor")
@@ -531,7 +538,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
     check(a.shape[1] == w.shape[1], op,
           f"x [M, K={a.shape[1]}] does not match weight [E, K={w.shape[1]}"
           ", N]")
-    check(a.shape[-1] < 65536 and w.shape[-1] < 65536, op,
+    # InnerLimit: the memory-inner axis (K of a transposed weight).
+    w_inner = w.shape[-1] if w.stride(-1) == 1 else w.shape[-2]
+    check(a.shape[-1] < 65536 and w_inner < 65536, op,
           "inner axes must be < 65536")
     check(group_list is not None and isinstance(group_list, torch.Tensor),
           op, "group_list (a tensor) must be passed")
@@ -569,6 +578,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
 
 
 # --- W8A8 quantization ---------------------------------------------------
+# Checked against op-plugin master (517f2e7, docs/zh/custom_APIs/torch_npu/).
 
 def _rint_int8(x: torch.Tensor) -> torch.Tensor:
     # Round half to even (the kernels' RINT cast), saturate to int8.
@@ -578,7 +588,7 @@ def _rint_int8(x: torch.Tensor) -> torch.Tensor:
 @traced("torch_npu.npu_dynamic_quant")
 def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None,
                       dst_type=None):
-    """docs/context/torch_npu-npu_dynamic_quant.md: per-token symmetric
+    """torch_npu-npu_dynamic_quant.md: per-token symmetric
     quantization, scale = max|x| / 127 over the last axis; float16 or
     bfloat16 input of more than one dim; (int8 y, float32 scale of
     input.shape[:-1])."""
@@ -599,11 +609,11 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None,
 
 @traced("torch_npu.npu_quantize")
 def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
-    """docs/context/torch_npu-npu_quantize.md: y = round(x * scales +
-    zero_points) with div_mode=False (x / scales with True), scales and
-    zero_points broadcast along ``axis``; dtype torch.qint8 gives int8.
-    With div_mode=False scales and zero_points are 1-D, as long as
-    input's ``axis`` dim, in input's dtype."""
+    """torch_npu-npu_quantize.md: y = round(x * scales + zero_points)
+    with div_mode=False (x / scales with True); dtype torch.qint8 gives
+    int8. With div_mode=False, scales and zero_points (which may be None)
+    are 1-D of size 1 or input's last dim, in input's dtype; any axis above
+    -2 means the last axis."""
     op = "npu_quantize"
     _kernel()
     _dtype(input, FLOATS, op, "input")
@@ -611,14 +621,20 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
           "(int8) output only")
     check(not div_mode, op, "the double implements div_mode=False (the "
           "mode whose scales are per channel of input's last axis)")
-    check(axis in (-1, input.dim() - 1), op, "axis must be the last dim")
+    check(axis > -2, op, "the double implements axis > -2 (the last axis)")
     k = input.shape[-1]
+    check(scales is not None, op, "scales must be passed")
     for name, t in (("scales", scales), ("zero_points", zero_points)):
-        check(t is not None and t.dim() == 1 and t.shape[0] == k, op,
-              f"{name} must be 1-D of input's last dim {k}")
+        if t is None:
+            continue
+        check(t.dim() == 1 and t.shape[0] in (1, k), op,
+              f"{name} must be 1-D of size 1 or input's last dim {k}")
         check(t.dtype == input.dtype, op,
               f"{name} dtype {t.dtype} must equal input dtype {input.dtype}")
-    return _rint_int8(input.float() * scales.float() + zero_points.float())
+    y = input.float() * scales.float()
+    if zero_points is not None:
+        y = y + zero_points.float()
+    return _rint_int8(y)
 
 
 @traced("torch_npu.npu_quant_matmul")
@@ -626,11 +642,14 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
                      bias=None, output_dtype=None, x1_dtype=None,
                      x2_dtype=None, pertoken_scale_dtype=None,
                      scale_dtype=None, group_sizes=None):
-    """docs/context/torch_npu-npu_quant_matmul.md, the A8W8 cases:
-    int8 x1 [M, K] and x2 [K, N]; y = (x1 @ x2 + bias) * scale
-    (* pertoken_scale[m]). scale [N] or [1]: float32 or bfloat16 (bfloat16
-    output), float32 with pertoken_scale; pertoken_scale float32 [M];
-    bias int32 [N] (or bfloat16/float32 with bfloat16 output)."""
+    """torch_npu-npu_quant_matmul.md, the A8W8 cases:
+    int8 x1 [M, K] and x2 [K, N], K and N at most 65535;
+    y = (x1 @ x2 + bias) * scale (* pertoken_scale[m]). scale [N] or [1]:
+    float32 or bfloat16 (bfloat16 output), float32 with pertoken_scale,
+    int64 for float16 output without pertoken_scale (the doc allows float32
+    there too, except in graph mode, the plugin's default); pertoken_scale
+    float32 [M]; bias int32 [N] (or bfloat16/float32 with bfloat16 output
+    or with pertoken_scale)."""
     op = "npu_quant_matmul"
     _kernel()
     check(x1.dtype == torch.int8 and x2.dtype == torch.int8, op,
@@ -638,6 +657,8 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
     check(x1.dim() == 2 and x2.dim() == 2 and x1.shape[1] == x2.shape[0],
           op, f"x1 [M, K] and x2 [K, N] do not match: {list(x1.shape)}, "
           f"{list(x2.shape)}")
+    check(x1.shape[1] <= 65535 and x2.shape[1] <= 65535, op,
+          "the last dims of x1 and x2 cannot exceed 65535")
     check(offset is None, op, "offset is for int8 output only")
     check(output_dtype in HALF, op, "the double implements float16 or "
           "bfloat16 output")
@@ -657,7 +678,8 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
     if bias is not None:
         check(bias.dim() == 1 and bias.shape[0] == n, op,
               f"bias must be [N={n}]")
-        _dtype(bias, (torch.int32, ) if output_dtype == torch.float16 else
+        _dtype(bias, (torch.int32, ) if (output_dtype == torch.float16
+                                         and pertoken_scale is None) else
                (torch.int32, torch.bfloat16, torch.float32), op, "bias")
     acc = x1.double() @ x2.double()
     if bias is not None and bias.dtype == torch.int32:

@@ -2,8 +2,9 @@
 activations quantized per token before each grouped matmul.
 
 ``w13`` is int8 [E_local, 2I, H], ``w2`` int8 [E_local, H, I] (the float
-layout of ``experts``), ``w13_scale`` float32 [E_local, 2I], ``w2_scale``
-float32 [E_local, H]. Per expert, as the NPU computes it:
+layout of ``experts``), ``w13_scale`` [E_local, 2I], ``w2_scale``
+[E_local, H], in ``expert_scale_dtype``. Per expert, as the NPU computes
+it:
 
     q, s = dynamic_quant(x)
     gate_up = (q @ w13^T) * w13_scale * s             (in x.dtype)
@@ -22,6 +23,12 @@ from vllm_ascend.ops import quant
 from vllm_ascend.ops._backend import use_npu
 from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
                                          _npu_unpermute)
+
+
+def expert_scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The per-channel scale's dtype: npu_grouped_matmul takes a bfloat16
+    scale for a bfloat16 result and a float32 one otherwise."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
