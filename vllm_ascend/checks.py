@@ -193,6 +193,44 @@ def check_checkpoint(vllm_config: "VllmConfig") -> None:
             checkpoint_tensor_names(model_dir))
 
 
+def check_parallel_layout(vllm_config: "VllmConfig") -> None:
+    """A GLM-4.5 that the parallel layout cannot split fails at startup in
+    one line (vLLM checks the attention heads itself; the rest would fail
+    in a worker, with an assertion deep in a layer)."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    config = model_config.hf_text_config
+    if _get(config, "model_type") not in GLM45_MODEL_TYPES:
+        return
+    parallel = vllm_config.parallel_config
+    tp = parallel.tensor_parallel_size
+    kv_heads = _get(config, "num_key_value_heads") or _get(
+        config, "num_attention_heads")
+    if kv_heads and (tp % kv_heads if tp >= kv_heads else kv_heads % tp):
+        raise ValueError(
+            f"--tensor-parallel-size {tp} cannot split the model's "
+            f"{kv_heads} KV heads (each must divide the other): use a "
+            f"tensor-parallel size that divides {kv_heads} or is a "
+            f"multiple of it.")
+    ep = parallel.enable_expert_parallel
+    sizes = {"intermediate_size": _get(config, "intermediate_size")
+             if _get(config, "first_k_dense_replace", 0) else None,
+             "moe_intermediate_size": _get(config, "moe_intermediate_size")}
+    for key, size in sizes.items():
+        if size and size % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} does not divide the model's "
+                f"{key} {size}: use a tensor-parallel size that divides it.")
+    experts = _get(config, "n_routed_experts") or 0
+    ep_size = parallel.data_parallel_size * tp
+    if ep and ep_size > 1 and experts < ep_size:
+        raise ValueError(
+            f"--enable-expert-parallel over {ep_size} ranks (DP x TP) needs "
+            f"at least one routed expert per rank, but the model has "
+            f"{experts}: use fewer ranks or drop --enable-expert-parallel.")
+
+
 # A request's n child sequences are created up front, before any is
 # scheduled: an unbounded n (say 10**6) stalls the server for everyone.
 MAX_N_ENV = "VLLM_ASCEND_MAX_N"

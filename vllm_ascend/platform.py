@@ -124,8 +124,7 @@ class AscendPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return ("vllm.distributed.device_communicators."
-                "base_device_communicator.DeviceCommunicatorBase")
+        return "vllm_ascend.distributed.communicator.AscendCommunicator"
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
@@ -155,6 +154,7 @@ class AscendPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        from vllm_ascend.distributed import moe_comm
         from vllm_ascend.spec_decode.mtp_proposer import check_mtp_config
 
         if vllm_config.model_config is not None:
@@ -181,6 +181,8 @@ class AscendPlatform(Platform):
             scheduler_config.async_scheduling = False
 
         check_mtp_config(vllm_config)
+        checks.check_parallel_layout(vllm_config)
+        moe_comm.check_config(vllm_config)
         spec = vllm_config.speculative_config
         configure_graph_mode(
             vllm_config, spec.num_speculative_tokens if spec else 0)
@@ -223,6 +225,6 @@ def _check_npu_limits(vllm_config: "VllmConfig") -> None:
             and model_config.dtype == torch.float16):
         raise ValueError(
             "--quantization ascend with --dtype float16 is not supported by "
-            "vllm_ascend (its W8A8 matmuls dequantize with float32 scales, "
-            "which the NPU kernel takes for bfloat16 output): use --dtype "
-            "bfloat16.")
+            "vllm_ascend (its static W8A8 matmul dequantizes with float32 "
+            "scales, which npu_quant_matmul takes in graphs for a bfloat16 "
+            "result only): use --dtype bfloat16.")

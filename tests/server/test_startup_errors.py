@@ -90,8 +90,18 @@ def _cases(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], dict]]:
         json.dumps(description))
     ascend = ["--quantization", "ascend"]
 
+    kv3 = _variant(model_dir, tmp / "kv-heads-3")
+    config.update(num_attention_heads=6, num_key_value_heads=3,
+                  head_dim=32)
+    (kv3 / "config.json").write_text(json.dumps(config))
+    ep = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+
     float32 = args(model_dir, MTP_CONFIG)
     return {
+        "tp_kv_heads": (args(kv3, MTP_CONFIG) +
+                        ["--tensor-parallel-size", "2"], cpu),
+        "alltoall_in_graphs": (args(model_dir, MTP_CONFIG) + ep,
+                               {**cpu, "VLLM_ASCEND_MOE_COMM": "alltoall"}),
         "ascend_float_checkpoint": (args(model_dir, MTP_CONFIG) + ascend,
                                     cpu),
         "ascend_no_scale": (args(no_scale, MTP_CONFIG) + ascend, cpu),
@@ -191,6 +201,16 @@ def test_ascend_quantization_errors(outcomes):
         f"has no {NO_SCALE}: re-export the checkpoint")
 
 
+def test_parallel_layout_errors(outcomes):
+    _assert_fails_with(
+        outcomes["tp_kv_heads"],
+        "--tensor-parallel-size 2 cannot split the model's 3 KV heads")
+    _assert_fails_with(
+        outcomes["alltoall_in_graphs"],
+        "VLLM_ASCEND_MOE_COMM=alltoall reads per-rank token counts on the "
+        "host and cannot run in captured graphs")
+
+
 def test_npu_limits_fail_at_startup(outcomes):
     # What the fused attention cannot run, in one line, with what to use.
     _assert_fails_with(
@@ -211,7 +231,8 @@ def test_npu_limits_fail_at_startup(outcomes):
 @pytest.mark.parametrize("case", [
     "unknown_device", "mtp_without_mtp_layers", "zero_speculative_tokens",
     "npu_float32", "npu_head_dim", "npu_block_size",
-    "ascend_float_checkpoint", "ascend_no_scale"
+    "ascend_float_checkpoint", "ascend_no_scale", "tp_kv_heads",
+    "alltoall_in_graphs"
 ])
 def test_config_error_has_no_traceback(outcomes, case):
     code, output = outcomes[case]

@@ -3,8 +3,8 @@
 The checkpoint stores, per expert, ``gate_proj``/``up_proj``/``down_proj``
 ``.weight`` (int8), ``.weight_scale`` and ``.weight_offset`` ([out, 1]);
 vLLM's expert mapping loads them into ``w13_*`` / ``w2_*``, the scales per
-channel (``quant_method="channel"``). Routing and vLLM's EP dispatch are
-those of the float experts.
+channel (``quant_method="channel"``). Routing and the MoE communication
+method are those of the float experts.
 """
 
 from typing import Callable, Optional
@@ -17,6 +17,7 @@ from vllm.model_executor.layers.fused_moe.layer import (
     FusedMoEMethodBase, FusedMoeWeightScaleSupported)
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_ascend.distributed import moe_comm
 from vllm_ascend.ops.moe.fused_moe import route
 from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
                                                 moe_experts_w8a8)
@@ -80,7 +81,7 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
         return None
 
     def maybe_make_prepare_finalize(self) -> None:
-        # vLLM's naive EP dispatch/combine in FusedMoE.forward_impl apply.
+        # FusedMoE.forward_impl calls the communicator's dispatch/combine.
         return None
 
     def apply(
@@ -121,14 +122,20 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
             routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias,
             enable_eplb=enable_eplb)
-        return moe_experts_w8a8(
-            x,
-            layer.w13_weight,
-            layer.w2_weight,
-            layer.w13_weight_scale,
-            layer.w2_weight_scale,
-            topk_weights,
-            topk_ids,
-            expert_map=expert_map,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-            activation=activation)
+
+        def compute(x, topk_weights, topk_ids, expert_map):
+            return moe_experts_w8a8(
+                x,
+                layer.w13_weight,
+                layer.w2_weight,
+                layer.w13_weight_scale,
+                layer.w2_weight_scale,
+                topk_weights,
+                topk_ids,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+                activation=activation)
+
+        return moe_comm.current(x.shape[0]).experts(
+            layer, x, topk_weights, topk_ids, expert_map, compute,
+            apply_router_weight_on_input)

@@ -20,6 +20,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
+from vllm_ascend.distributed import moe_comm
 from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
                                                    graph_stats)
 from vllm_ascend.sample import AscendRejectionSampler
@@ -54,6 +55,7 @@ class AscendModelRunner(GPUModelRunner):
     ) -> Union[ModelRunnerOutput, AsyncModelRunnerOutput,
                IntermediateTensors]:
         self._drafted = False
+        moe_comm.begin_step()
         output = super().execute_model(scheduler_output, intermediate_tensors)
         if (self._drafts_under_dp and not self._drafted
                 and scheduler_output.total_num_scheduled_tokens > 0):
@@ -62,6 +64,12 @@ class AscendModelRunner(GPUModelRunner):
             # draft's collectives must be matched.
             self.drafter.dummy_run(1)
         return output
+
+    def _dummy_run(self, *args, **kwargs):
+        # A step of its own (an idle DP rank's, a capture's, the profile
+        # run's): its MoE layers choose their communication method anew.
+        moe_comm.begin_step()
+        return super()._dummy_run(*args, **kwargs)
 
     def propose_draft_token_ids(self, *args, **kwargs):
         self._drafted = True

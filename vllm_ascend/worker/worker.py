@@ -13,6 +13,7 @@ from vllm.v1.worker.gpu_worker import (Worker,
                                        init_worker_distributed_environment)
 
 from vllm_ascend import device
+from vllm_ascend.distributed import moe_comm
 from vllm_ascend.worker.model_runner import AscendModelRunner
 
 logger = init_logger(__name__)
@@ -38,6 +39,7 @@ class AscendWorker(Worker):
                                             self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
+        moe_comm.configure(self.vllm_config)
         if choice.is_npu:
             gc.collect()
             torch.npu.empty_cache()

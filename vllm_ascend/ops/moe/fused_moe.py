@@ -3,8 +3,9 @@
 vLLM 0.11 binds ``UnquantizedFusedMoEMethod.forward_native`` to
 ``forward_cuda``, which needs triton's ``fused_experts``; off CUDA that is
 None. This replacement routes with ``select_experts`` and runs
-``moe_experts``; ``FusedMoE.forward_impl`` (shared experts, EP
-dispatch/combine, reductions) is vLLM's, unchanged.
+``moe_experts`` through the step's MoE communication method
+(``distributed.moe_comm``); ``FusedMoE.forward_impl`` (shared experts, EP
+dispatch/combine on the plugin's communicator, reductions) is vLLM's.
 """
 
 from typing import Callable, Optional
@@ -14,6 +15,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.layer import (
     UnquantizedFusedMoEMethod)
 
+from vllm_ascend.distributed import moe_comm
 from vllm_ascend.ops.moe.experts import moe_experts
 from vllm_ascend.ops.moe.routing import select_experts
 
@@ -68,8 +70,8 @@ def route(
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def maybe_make_prepare_finalize(self) -> None:
-        # No all2all kernels (pplx/DeepEP) here; vLLM's naive EP dispatch
-        # and combine in FusedMoE.forward_impl still apply.
+        # No modular all2all kernels (pplx/DeepEP): FusedMoE.forward_impl
+        # calls the communicator's dispatch/combine (moe_comm's methods).
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -118,15 +120,21 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias,
             enable_eplb=enable_eplb)
-        return moe_experts(
-            x,
-            layer.w13_weight,
-            layer.w2_weight,
-            topk_weights,
-            topk_ids,
-            expert_map=expert_map,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-            activation=activation)
+
+        def compute(x, topk_weights, topk_ids, expert_map):
+            return moe_experts(
+                x,
+                layer.w13_weight,
+                layer.w2_weight,
+                topk_weights,
+                topk_ids,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+                activation=activation)
+
+        return moe_comm.current(x.shape[0]).experts(
+            layer, x, topk_weights, topk_ids, expert_map, compute,
+            apply_router_weight_on_input)
 
     # With custom ops disabled (inductor), CustomOp dispatches to
     # forward_native, which vLLM bound to the triton path.

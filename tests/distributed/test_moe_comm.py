@@ -1,0 +1,136 @@
+"""The MoE communication methods give every token the single-process MoE
+output, under DP x TP with expert parallelism, on gloo.
+
+Each rank builds the same random experts, holds its EP share of them, and
+runs what FusedMoE.forward_impl runs around them: the communicator's
+dispatch, routing, the method's expert exchange, combine, and the TP
+all-reduce of the model. DP ranks hold different numbers of tokens (one
+rank a single token, as an idle rank's dummy batch).
+"""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from vllm_ascend.distributed.moe_comm import MOE_COMM_ENV, METHODS
+
+HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 8, 2
+
+
+def _experts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / 4,
+            torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 4)
+
+
+def _tokens(dp_rank: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    return (torch.randn(count, HIDDEN, generator=g),
+            torch.randn(count, EXPERTS, generator=g))
+
+
+def _route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
+            method: str, queue) -> None:
+    os.environ[MOE_COMM_ENV] = method
+    from vllm.config import (ParallelConfig, VllmConfig,
+                             set_current_vllm_config)
+    from vllm.distributed import (get_ep_group,
+                                  tensor_model_parallel_all_reduce)
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment, destroy_model_parallel,
+        init_distributed_environment, initialize_model_parallel)
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.layer import (
+        determine_expert_map)
+
+    from vllm_ascend.distributed import moe_comm
+    from vllm_ascend.distributed.communicator import AscendCommunicator
+    from vllm_ascend.ops.moe.experts import moe_experts_ref
+    try:
+        init_distributed_environment(
+            world_size=dp * tp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo")
+        dp_rank = rank // tp
+        config = VllmConfig(parallel_config=ParallelConfig(
+            data_parallel_size=dp,
+            data_parallel_rank=dp_rank,
+            tensor_parallel_size=tp,
+            enable_expert_parallel=True))
+        with set_current_vllm_config(config):
+            initialize_model_parallel(tp, 1)
+            moe_comm.configure(config)
+            ep = get_ep_group()
+            assert isinstance(ep.device_communicator, AscendCommunicator)
+            w13, w2 = _experts()
+            _, expert_map = determine_expert_map(ep.world_size,
+                                                 ep.rank_in_group, EXPERTS)
+            mine = expert_map >= 0
+            layer = torch.nn.Module()
+
+            def compute(x, weights, ids, expert_map):
+                return moe_experts_ref(x, w13[mine], w2[mine], weights, ids,
+                                       expert_map=expert_map)
+
+            x, logits = _tokens(dp_rank, counts[dp_rank])
+            with set_forward_context(None,
+                                     config,
+                                     num_tokens=counts[dp_rank],
+                                     num_tokens_across_dp=torch.tensor(
+                                         counts)):
+                moe_comm.begin_step()
+                chosen = moe_comm.current(x.shape[0])
+                assert chosen.name == method, chosen.name
+                hidden, router_logits = ep.dispatch(x, logits)
+                weights, ids = _route(router_logits)
+                y = chosen.experts(layer, hidden, weights, ids, expert_map,
+                                   compute, False)
+                y = ep.combine(y)
+                if tp > 1:
+                    y = tensor_model_parallel_all_reduce(y)
+            want = moe_experts_ref(x, w13, w2, *_route(logits))
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        queue.put((rank, None))
+    except Exception as e:  # reported by the test, not lost in a child
+        queue.put((rank, repr(e)[-1500:]))
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _run(dp: int, tp: int, counts: list[int], method: str) -> None:
+    from vllm.utils import get_open_port
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    port = get_open_port()
+    procs = [
+        ctx.Process(target=_worker,
+                    args=(rank, port, dp, tp, counts, method, queue))
+        for rank in range(dp * tp)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+    assert results == dict.fromkeys(range(dp * tp)), results
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dp,tp,counts", [(2, 1, [3, 5]), (2, 2, [1, 6])],
+                         ids=["dp2-ep", "dp2-tp2-ep"])
+def test_method_gives_single_process_output(method, dp, tp, counts):
+    _run(dp, tp, counts, method)

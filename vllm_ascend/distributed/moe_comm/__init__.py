@@ -1,0 +1,166 @@
+"""The MoE communication method of each step.
+
+Chosen once per step, as vllm-ascend does, from what every rank knows the
+same way (the configuration and the DP-synced token count), so that all
+ranks, and the MTP draft after the target, use one method in a step:
+
+- without expert parallelism: all-gather (with DP, vLLM's dispatch and
+  combine; without, nothing to exchange);
+- with expert parallelism: MC2 when the largest DP rank's batch fits its
+  buffers (``VLLM_ASCEND_MC2_CAPACITY`` tokens per rank), all-gather above.
+
+``VLLM_ASCEND_MOE_COMM=allgather|alltoall|mc2`` forces one; a forced method
+that cannot run in the configuration fails at startup (``check_config``).
+"""
+
+import os
+from typing import Optional
+
+from vllm.config import CUDAGraphMode
+from vllm import forward_context
+from vllm.logger import init_logger
+
+from vllm_ascend.distributed.moe_comm.all_gather import AllGatherMoEComm
+from vllm_ascend.distributed.moe_comm.all_to_all import AllToAllMoEComm
+from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm.mc2 import MC2MoEComm
+
+logger = init_logger(__name__)
+
+MOE_COMM_ENV = "VLLM_ASCEND_MOE_COMM"
+MC2_CAPACITY_ENV = "VLLM_ASCEND_MC2_CAPACITY"
+DEFAULT_MC2_CAPACITY = 256
+METHODS = ("allgather", "alltoall", "mc2")
+
+__all__ = ["ExpertsFn", "MoECommMethod", "begin_step", "check_config",
+           "configure", "current"]
+
+
+def forced_method() -> Optional[str]:
+    name = os.environ.get(MOE_COMM_ENV, "").strip().lower()
+    return name or None
+
+
+def mc2_capacity() -> int:
+    text = os.environ.get(MC2_CAPACITY_ENV, str(DEFAULT_MC2_CAPACITY))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MC2_CAPACITY_ENV}={text!r} must be a positive "
+                         "integer (tokens per rank the MC2 buffers hold).")
+    return value
+
+
+def _uses_ep(vllm_config) -> bool:
+    p = vllm_config.parallel_config
+    return (p.enable_expert_parallel
+            and p.data_parallel_size * p.tensor_parallel_size > 1)
+
+
+def check_config(vllm_config) -> None:
+    """A forced method that cannot run here fails at startup, in one
+    line."""
+    name = forced_method()
+    capacity = mc2_capacity()
+    if name is None or vllm_config.model_config is None:
+        return
+    if name not in METHODS:
+        raise ValueError(f"{MOE_COMM_ENV}={name!r} is not a MoE "
+                         f"communication method; use one of "
+                         f"{', '.join(METHODS)} (or unset it).")
+    if name == "allgather":
+        return
+    if not _uses_ep(vllm_config):
+        raise ValueError(
+            f"{MOE_COMM_ENV}={name} exchanges tokens between expert-parallel "
+            "ranks: it needs --enable-expert-parallel with more than one "
+            f"rank (DP x TP > 1); unset {MOE_COMM_ENV} or use allgather.")
+    graphs = (vllm_config.compilation_config.cudagraph_mode
+              != CUDAGraphMode.NONE
+              and not vllm_config.model_config.enforce_eager)
+    if name == "alltoall" and graphs:
+        raise ValueError(
+            f"{MOE_COMM_ENV}=alltoall reads per-rank token counts on the "
+            "host and cannot run in captured graphs (graph mode is the "
+            f"default): add --enforce-eager, or use {MOE_COMM_ENV}=mc2.")
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if name == "mc2" and tokens > capacity:
+        raise ValueError(
+            f"{MOE_COMM_ENV}=mc2 holds at most {MC2_CAPACITY_ENV}="
+            f"{capacity} tokens per rank, below --max-num-batched-tokens "
+            f"{tokens}: raise {MC2_CAPACITY_ENV} to {tokens} or lower "
+            "--max-num-batched-tokens.")
+
+
+class _Selection:
+
+    def __init__(self) -> None:
+        self.expert_parallel = False
+        self.forced: Optional[str] = None
+        self.methods: dict[str, MoECommMethod] = {}
+        self.step_method: Optional[MoECommMethod] = None
+        self.logged: set[str] = set()
+
+    def configure(self, vllm_config) -> None:
+        self.expert_parallel = _uses_ep(vllm_config)
+        self.forced = forced_method()
+        self.methods = {
+            "allgather": AllGatherMoEComm(),
+            "alltoall": AllToAllMoEComm(),
+            "mc2": MC2MoEComm(mc2_capacity()),
+        }
+        self.step_method = None
+
+    def choose(self, num_tokens: int) -> MoECommMethod:
+        if not self.methods:
+            self.methods = {"allgather": AllGatherMoEComm()}
+        if self.forced is not None:
+            name = self.forced
+        elif not self.expert_parallel:
+            name = "allgather"
+        else:
+            mc2 = self.methods["mc2"]
+            assert isinstance(mc2, MC2MoEComm)
+            name = ("mc2" if _max_tokens(num_tokens) <= mc2.capacity else
+                    "allgather")
+        if name not in self.logged:
+            self.logged.add(name)
+            logger.info(
+                "MoE communication: %s (%s)", name,
+                f"{MOE_COMM_ENV}" if self.forced else
+                "expert parallelism, batch within the MC2 capacity"
+                if name == "mc2" else "expert parallelism, batch above the "
+                "MC2 capacity" if self.expert_parallel else
+                "no expert parallelism")
+        return self.methods[name]
+
+
+def _max_tokens(num_tokens: int) -> int:
+    """The largest batch over DP ranks (the same on every rank)."""
+    context = forward_context._forward_context
+    if context is not None and context.dp_metadata is not None:
+        return int(context.dp_metadata.max_tokens_across_dp_cpu)
+    return num_tokens
+
+
+_selection = _Selection()
+
+
+def configure(vllm_config) -> None:
+    """Called once per worker, before the model runs."""
+    _selection.configure(vllm_config)
+
+
+def begin_step() -> None:
+    """A new step: the next MoE layer chooses the method for all."""
+    _selection.step_method = None
+
+
+def current(num_tokens: int) -> MoECommMethod:
+    """The step's method (chosen at its first MoE layer, from the DP-synced
+    batch size when there is one, else ``num_tokens``)."""
+    if _selection.step_method is None:
+        _selection.step_method = _selection.choose(num_tokens)
+    return _selection.step_method

@@ -1,0 +1,78 @@
+"""MC2-style EP: the all-to-all exchange with fixed-size buffers, so that
+every shape is static and nothing is read on the host (graph capture).
+
+Each rank sends every other rank a buffer of ``capacity * top_k`` rows
+(the most pairs it can route to one rank when it holds at most
+``capacity`` tokens), empty rows marked by the expert id E (no rank's);
+the receiver computes its experts on all rows and sends them back in
+place. This is the contract of the NPU's fused MC2 kernels
+(npu_moe_distribute_dispatch / combine), implemented with
+torch.distributed's all_to_all_single on both devices.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from vllm.distributed import get_ep_group
+
+from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
+                                                       pair_rows, tp_share,
+                                                       weighted_sum)
+
+
+class MC2MoEComm(MoECommMethod):
+    name = "mc2"
+    graph_safe = True
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+    def experts(self, layer: torch.nn.Module, x: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                expert_map: Optional[torch.Tensor], compute: ExpertsFn,
+                apply_router_weight_on_input: bool) -> torch.Tensor:
+        if x.shape[0] > self.capacity:
+            raise RuntimeError(
+                f"MC2 MoE method: {x.shape[0]} tokens on this rank exceed "
+                f"its capacity {self.capacity}; raise "
+                "VLLM_ASCEND_MC2_CAPACITY or use VLLM_ASCEND_MOE_COMM="
+                "allgather.")
+        ep = get_ep_group()
+        group = ep.device_group
+        ranks = ep.world_size
+        share = tp_share(x.shape[0])
+        weights, ids = topk_weights[share], topk_ids[share]
+        top_k = ids.shape[1]
+        per_rank = self.capacity * top_k
+        owner = owner_table(layer, expert_map)[ids.flatten().long()]
+        # Slot of each pair in its owner's buffer: how many pairs before it
+        # go to the same owner.
+        hit = owner.unsqueeze(1) == torch.arange(ranks, device=x.device)
+        slot = (hit.long().cumsum(0) - 1).gather(1, owner.unsqueeze(1))
+        dest = owner * per_rank + slot.squeeze(1)
+
+        rows = pair_rows(x[share], weights, apply_router_weight_on_input)
+        send_x = x.new_zeros((ranks * per_rank, x.shape[1]))
+        send_x[dest] = rows
+        send_ids = torch.full((ranks * per_rank, ),
+                              expert_map.shape[0],
+                              dtype=ids.dtype,
+                              device=x.device)
+        send_ids[dest] = ids.flatten()
+        recv_x = torch.empty_like(send_x)
+        recv_ids = torch.empty_like(send_ids)
+        dist.all_to_all_single(recv_x, send_x, group=group)
+        dist.all_to_all_single(recv_ids, send_ids, group=group)
+
+        # Empty rows carry id E, which maps to no local expert.
+        padded_map = torch.cat([expert_map, expert_map.new_full((1, ), -1)])
+        ones = torch.ones((recv_x.shape[0], 1),
+                          dtype=topk_weights.dtype,
+                          device=x.device)
+        results = compute(recv_x, ones, recv_ids.unsqueeze(1), padded_map)
+        back = torch.empty_like(results)
+        dist.all_to_all_single(back, results, group=group)
+        return weighted_sum(x, share, back[dest], weights,
+                            apply_router_weight_on_input)
