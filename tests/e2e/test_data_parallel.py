@@ -43,14 +43,30 @@ def baseline() -> list[list[int]]:
 
 
 def _run(per_rank: list[list[int]], k: int, expert_parallel: bool,
-         tp: int = 1):
+         tp: int = 1, env: dict | None = None, **engine_args):
     engine = dict(ENGINE, enable_expert_parallel=expert_parallel,
                   tensor_parallel_size=tp,
                   speculative_config=dict(method="glm4_moe_mtp",
-                                          num_speculative_tokens=k))
+                                          num_speculative_tokens=k),
+                  **engine_args)
     return run_dp_engine(
         engine, [[PROMPTS[i] for i in indices] for indices in per_rank],
-        [_sampling(indices) for indices in per_rank], timeout=150 * tp)
+        [_sampling(indices) for indices in per_rank], env=env,
+        timeout=150 * tp)
+
+
+ACCEPTANCE = ("vllm:spec_decode_num_drafts",
+              "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens")
+
+
+@pytest.fixture(scope="module")
+def mtp_baseline() -> dict:
+    """DP=1, MTP k=1, every prompt: outputs and spec-decode counters."""
+    engine = dict(ENGINE, speculative_config=dict(method="glm4_moe_mtp",
+                                                  num_speculative_tokens=1))
+    return run_engine(engine, PROMPTS, _sampling(list(range(len(PROMPTS)))),
+                      env={"OMP_NUM_THREADS": "1"})
 
 
 def _check(outs, per_rank, baseline, k):
@@ -84,3 +100,29 @@ def test_dp2_tp2_ep_mtp_outputs_equal_dp1(baseline):
     before gloo finished them."""
     per_rank = [[0, 3], [2]]
     _check(_run(per_rank, 1, True, tp=2), per_rank, baseline, 1)
+
+
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_dp2_ep_moe_methods_equal_dp1(baseline, mtp_baseline, method):
+    """Each MoE communication method forced (MC2, the default with EP, runs
+    in the tests above): DP=1 outputs, and the acceptance summed over the
+    ranks is DP=1's with MTP. All-to-all reads its counts on the host, so
+    it runs eager."""
+    per_rank = [[0, 2, 4], [1, 3, 5]]
+    outs = _run(per_rank, 1, True,
+                env={"VLLM_ASCEND_MOE_COMM": method},
+                enforce_eager=method == "alltoall")
+    _check(outs, per_rank, baseline, 1)
+    for name in ACCEPTANCE:
+        assert sum(o["metrics"][name] for o in outs) == (
+            mtp_baseline["metrics"][name]), name
+
+
+def test_tp2_mtp_outputs_equal_dp1(baseline, mtp_baseline):
+    """TP 2 alone (attention heads, MLP, experts and the vocabulary split;
+    the draft on the target's embedding and head shards)."""
+    per_rank = [list(range(len(PROMPTS)))]
+    outs = _run(per_rank, 1, False, tp=2)
+    _check(outs, per_rank, baseline, 1)
+    for name in ACCEPTANCE:
+        assert outs[0]["metrics"][name] == mtp_baseline["metrics"][name], name
