@@ -96,7 +96,7 @@ def test_dp2_tp2_ep_mtp_outputs_equal_dp1(baseline):
     """DP 2 x TP 2 (4 processes) in the default graph mode. It once
     answered every prompt with wrong text and no error: the naive all2all
     gathered DP rank 1's tokens from the wrong rank and summed the TP
-    partials twice (patch 0012), and graph replays read TP all-reduces
+    partials twice (patch 0011), and graph replays read TP all-reduces
     before gloo finished them."""
     per_rank = [[0, 3], [2]]
     _check(_run(per_rank, 1, True, tp=2), per_rank, baseline, 1)
