@@ -215,3 +215,66 @@ def test_run_report_files(run, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text()) == res
     report.write_plot(res, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _batch(size, tok_s, outputs, share=0.1, acc=None):
+    return {"batch_size": size, "decode_tokens_per_s": tok_s,
+            "outputs": outputs, "collective_share": share,
+            **({"acceptance": acc} if acc else {})}
+
+
+def test_parallel_rows_sum_ranks_and_compare_with_dp1():
+    import benchmark_parallel
+    acc = {"num_draft_tokens": 10, "num_accepted_tokens": 9}
+    a, b = [[1, 2]], [[3, 4]]
+    layouts = {
+        ("dp1", "no_mtp"): [{"batches": [_batch(2, 100.0, a + b)]}],
+        ("dp2_ep", "no_mtp"): [{"batches": [_batch(1, 30.0, a, 0.4)]},
+                               {"batches": [_batch(1, 40.0, b, 0.5)]}],
+        ("dp1", "mtp_k1"): [{"batches": [_batch(2, 150.0, a + b, 0,
+                                                acc)]}],
+        # Rank 1 decoded another token: not identical.
+        ("dp2_ep", "mtp_k1"): [{"batches": [_batch(1, 60.0, a, 0.3, acc)]},
+                               {"batches": [_batch(1, 60.0, [[3, 5]], 0.2,
+                                                   acc)]}],
+    }
+    rows = {(r["layout"], r["config"]): r
+            for r in benchmark_parallel.rows(layouts, [1])}
+    dp2 = rows[("dp2_ep", "no_mtp")]
+    assert dp2["tokens_per_s"] == 70.0 and dp2["collective_share"] == 0.5
+    assert dp2["dp2_over_dp1"] == 0.7 and dp2["same_as_dp1_no_mtp"]
+    mtp = rows[("dp2_ep", "mtp_k1")]
+    assert mtp["mtp_over_no_mtp"] == 120.0 / 70.0
+    assert mtp["dp2_over_dp1"] == 120.0 / 150.0
+    assert mtp["acceptance_rate"] == 0.9
+    assert not mtp["same_as_dp1_no_mtp"]
+    assert rows[("dp1", "mtp_k1")]["same_as_dp1_no_mtp"]
+
+
+def test_quantization_rows_put_precisions_side_by_side():
+    import benchmark_quantization
+
+    def result(tok_s, mtp_tok_s, weights, same=True):
+        return {"configs": [
+            {"name": "no_mtp", "memory": {"weights_bytes": weights,
+                                          "drafter_weights_bytes": 0,
+                                          "peak_rss_bytes": 1},
+             "batches": [{"batch_size": 1, "decode_tokens_per_s": tok_s}]},
+            {"name": "mtp_k1", "memory": {"weights_bytes": weights,
+                                          "drafter_weights_bytes": 5,
+                                          "peak_rss_bytes": 1},
+             "batches": [{"batch_size": 1, "decode_tokens_per_s": mtp_tok_s,
+                          "acceptance": {"acceptance_rate": 0.5}}]}],
+            "comparison": [{"config": "mtp_k1", "batch_size": 1,
+                            "outputs_identical": same}]}
+
+    runs = {"float": result(100.0, 150.0, 40),
+            "w8a8": result(50.0, 100.0, 10, same=False)}
+    rows = {r["config"]: r for r in benchmark_quantization.rows(runs)}
+    assert rows["no_mtp"]["w8a8_over_float"] == 0.5
+    assert rows["mtp_k1"]["float_mtp_over_no_mtp"] == 1.5
+    assert rows["mtp_k1"]["w8a8_mtp_over_no_mtp"] == 2.0
+    assert rows["mtp_k1"]["float_same_as_no_mtp"] is True
+    assert rows["mtp_k1"]["w8a8_same_as_no_mtp"] is False
+    memory = benchmark_quantization.memory_rows(runs)
+    assert [m["weights_over_float"] for m in memory] == [1, 1, 0.25, 0.25]

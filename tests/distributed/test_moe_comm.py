@@ -36,8 +36,14 @@ def _route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, ids.to(torch.int32)
 
 
+class _Refused(Exception):
+    pass
+
+
 def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
-            method: str, queue) -> None:
+            method: str, queue, rows: list[int] | None = None) -> None:
+    """``rows``: what each DP rank runs, when it differs from ``counts``,
+    the counts its forward context synced (a dispatch that must fail)."""
     os.environ[MOE_COMM_ENV] = method
     from vllm.config import (ParallelConfig, VllmConfig,
                              set_current_vllm_config)
@@ -81,7 +87,7 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
                 return moe_experts_ref(x, w13[mine], w2[mine], weights, ids,
                                        expert_map=expert_map)
 
-            x, logits = _tokens(dp_rank, counts[dp_rank])
+            x, logits = _tokens(dp_rank, (rows or counts)[dp_rank])
             with set_forward_context(None,
                                      config,
                                      num_tokens=counts[dp_rank],
@@ -90,7 +96,10 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
                 moe_comm.begin_step()
                 chosen = moe_comm.current(x.shape[0])
                 assert chosen.name == method, chosen.name
-                hidden, router_logits = ep.dispatch(x, logits)
+                try:
+                    hidden, router_logits = ep.dispatch(x, logits)
+                except RuntimeError as e:
+                    raise _Refused(str(e)) from e
                 weights, ids = _route(router_logits)
                 y = chosen.experts(layer, hidden, weights, ids, expert_map,
                                    compute, False)
@@ -100,6 +109,8 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
             want = moe_experts_ref(x, w13, w2, *_route(logits))
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
         queue.put((rank, None))
+    except _Refused as e:
+        queue.put((rank, f"refused: {e}"))
     except Exception as e:  # reported by the test, not lost in a child
         queue.put((rank, repr(e)[-1500:]))
     finally:
@@ -107,14 +118,15 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
         destroy_distributed_environment()
 
 
-def _run(dp: int, tp: int, counts: list[int], method: str) -> None:
+def _run(dp: int, tp: int, counts: list[int], method: str,
+         rows: list[int] | None = None) -> dict:
     from vllm.utils import get_open_port
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     port = get_open_port()
     procs = [
         ctx.Process(target=_worker,
-                    args=(rank, port, dp, tp, counts, method, queue))
+                    args=(rank, port, dp, tp, counts, method, queue, rows))
         for rank in range(dp * tp)
     ]
     for proc in procs:
@@ -126,11 +138,26 @@ def _run(dp: int, tp: int, counts: list[int], method: str) -> None:
             proc.join(timeout=20)
             if proc.is_alive():
                 proc.kill()
-    assert results == dict.fromkeys(range(dp * tp)), results
+    return results
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dp,tp,counts", [(2, 1, [3, 5]), (2, 2, [1, 6])],
                          ids=["dp2-ep", "dp2-tp2-ep"])
 def test_method_gives_single_process_output(method, dp, tp, counts):
-    _run(dp, tp, counts, method)
+    results = _run(dp, tp, counts, method)
+    assert results == dict.fromkeys(range(dp * tp)), results
+
+
+def test_dispatch_refuses_rows_other_than_the_synced_count():
+    """Root causes of the all-gather EP + MTP shape errors: a draft whose
+    forward context synced another count than the rows it runs (its
+    synced vs real length, padding added after the sync) fails before any
+    exchange, in one line naming both."""
+    results = _run(2, 1, [3, 5], "allgather", rows=[2, 4])
+    assert results[0].startswith(
+        "refused: MoE dispatch on DP rank 0: 2 token rows, but the forward "
+        "context synced 3 for this rank"), results
+    assert results[1].startswith(
+        "refused: MoE dispatch on DP rank 1: 4 token rows, but the forward "
+        "context synced 5 for this rank"), results

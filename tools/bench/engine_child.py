@@ -22,6 +22,7 @@ import torch
 # tools/ (not the repository root, whose vllm/ tree would shadow vLLM).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import collectives  # noqa: E402
 from bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,  # noqa: E402
                          DRAFT_TOKENS, DRAFTS, acceptance,
                          decode_tokens_per_s, median, metric_delta)
@@ -198,6 +199,9 @@ def hist_delta(before: dict, after: dict, name: str) -> dict[str, float]:
 
 
 def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
+    # Under data parallelism every rank must make the same generate calls
+    # (their steps are collective): no re-measured pairs there.
+    retries = spec.get("retries", RETRIES)
     base = spec["prompts"]
     prompts = [{"prompt_token_ids": base[i % len(base)]}
                for i in range(batch)]
@@ -205,6 +209,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     timed_generate(llm, prompts, spec["warmup_tokens"])
     start = snapshot(llm)
     forwards_before = llm.collective_rpc(_forward_stats)[0]
+    collectives_before = collectives.totals()
     window_start = time.perf_counter()
     runs = []
     decode_hist = {"sum": 0.0, "count": 0}
@@ -212,7 +217,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     for repeat in range(spec["repeats"]):
         # A load spike on a shared host can make the 1-token run the slower
         # one; such a pair says nothing, so it is measured again.
-        for attempt in range(1, RETRIES + 1):
+        for attempt in range(1, retries + 1):
             t_one, cpu_one, _ = timed_generate(llm, prompts, 1)
             before = snapshot(llm)
             t_full, cpu_full, ids = timed_generate(llm, prompts, n)
@@ -232,6 +237,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
                      "decode_tokens_per_cpu_s":
                      decode_tokens_per_s(cpu_full, cpu_one, batch, n)})
     window = time.perf_counter() - window_start
+    collectives_after = collectives.totals()
     end = snapshot(llm)
     forwards_after = llm.collective_rpc(_forward_stats)[0]
     result: dict[str, Any] = {
@@ -250,6 +256,14 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
         "median_t_one_s": median([r["t_one_s"] for r in runs]),
         "outputs": outputs,
     }
+    if spec.get("collectives"):
+        # Timed in this process: with the engine core in-process and one
+        # worker (TP 1), every step's collectives.
+        result["collective_share"] = (
+            collectives_after["seconds"] - collectives_before["seconds"]
+        ) / window
+        result["collective_calls"] = (collectives_after["calls"] -
+                                      collectives_before["calls"])
     # vLLM's own timing: per request, last token time - first token time.
     if decode_hist["count"]:
         mean_decode = decode_hist["sum"] / decode_hist["count"]
@@ -276,6 +290,8 @@ def main(spec_path: str) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         module, _, function = spec["setup"].partition(":")
         getattr(importlib.import_module(module), function)()
+    if spec.get("collectives"):
+        collectives.install()
     engine = dict(spec["engine"])
     k = spec["num_speculative_tokens"]
     if k:

@@ -14,6 +14,8 @@ from torch.distributed import ProcessGroup
 from vllm.distributed.device_communicators.all2all import NaiveAll2AllManager
 from vllm.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase)
+from vllm.distributed.parallel_state import get_dp_group
+from vllm.forward_context import get_forward_context
 
 from vllm_ascend.distributed import moe_comm
 
@@ -39,6 +41,8 @@ class AscendCommunicator(DeviceCommunicatorBase):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_all2all:
             return hidden_states, router_logits
+        if not is_sequence_parallel:
+            _check_synced_count(hidden_states.shape[0])
         return moe_comm.current(hidden_states.shape[0]).dispatch(
             self, hidden_states, router_logits, is_sequence_parallel)
 
@@ -49,3 +53,22 @@ class AscendCommunicator(DeviceCommunicatorBase):
             return hidden_states
         return moe_comm.current(hidden_states.shape[0]).combine(
             self, hidden_states, is_sequence_parallel)
+
+
+def _check_synced_count(num_tokens: int) -> None:
+    """The rows this rank dispatches must be the count it told the other DP
+    ranks: the gather and the scatter back are sized from the synced
+    counts. A draft whose context carries another count (its synced count
+    vs its real length, or padding added after the sync) would otherwise
+    exchange rows of the wrong tokens, or fail on a shape far from here."""
+    dp_metadata = get_forward_context().dp_metadata
+    if dp_metadata is None:
+        return
+    rank = get_dp_group().rank_in_group
+    synced = int(dp_metadata.num_tokens_across_dp_cpu[rank])
+    if num_tokens != synced:
+        raise RuntimeError(
+            f"MoE dispatch on DP rank {rank}: {num_tokens} token rows, but "
+            f"the forward context synced {synced} for this rank "
+            f"(all ranks: {dp_metadata.num_tokens_across_dp_cpu.tolist()}); "
+            "the forward context must be set with the rows the model runs.")
