@@ -1,0 +1,78 @@
+"""``vllm serve`` with the original command's parallel flags scaled to this
+host: ``--data-parallel-size 2 --tensor-parallel-size 2
+--enable-expert-parallel`` (four engine processes on gloo) with MTP k = 1,
+in the default graph mode and MoE communication method. Its greedy answers
+equal the single-process engine's without MTP, and the acceptance it
+reports (summed over the DP engines) is the single-process engine's with
+MTP."""
+
+from pathlib import Path
+
+import httpx
+from demo_serve import ServeProcess, free_port
+
+from tests.e2e.engine import run_engine
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
+PROMPTS = ["the quiet green frog", "one two three four five six",
+           "a b c d e f g", "what is the capital of", "red blue",
+           "count to ten: one"]
+MAX_TOKENS = 12
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+STARTUP_TIMEOUT = 400
+
+
+def _offline(prompts: list[list[int]], mtp: bool) -> dict:
+    engine = dict(model=str(FIXTURE), skip_tokenizer_init=True,
+                  dtype="float32", max_model_len=256, seed=0,
+                  kv_cache_memory_bytes=64 << 20)
+    if mtp:
+        engine["speculative_config"] = dict(method="glm4_moe_mtp",
+                                            num_speculative_tokens=1)
+    return run_engine(engine, prompts,
+                      dict(temperature=0, max_tokens=MAX_TOKENS,
+                           ignore_eos=True),
+                      env={"OMP_NUM_THREADS": "1"})
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith(f"{name}_total"))
+
+
+def test_dp2_tp2_ep_mtp_server_equals_single_process():
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(FIXTURE)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    port = free_port()
+    server = ServeProcess([
+        "serve", str(FIXTURE), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", "glm45", "--seed", "0", "--dtype", "float32",
+        "--max-model-len", "256", "--max-num-seqs", "4",
+        "--no-enable-prefix-caching", "--data-parallel-size", "2",
+        "--tensor-parallel-size", "2", "--enable-expert-parallel",
+        "--speculative-config",
+        '{"method": "glm4_moe_mtp", "num_speculative_tokens": 1}'
+    ], port, env={"VLLM_ASCEND_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+                  "VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        server.wait_healthy(STARTUP_TIMEOUT)
+        with httpx.Client(base_url=server.base_url, timeout=300) as client:
+            answers = [client.post("/v1/completions", json={
+                "model": "glm45", "prompt": prompt, "temperature": 0,
+                "max_tokens": MAX_TOKENS, "ignore_eos": True})
+                for prompt in prompts]
+            metrics = client.get("/metrics").text
+        log = server.log_tail(200_000)
+    finally:
+        server.stop()
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+    texts = [a.json()["choices"][0]["text"] for a in answers]
+    no_mtp = _offline(prompts, mtp=False)
+    assert texts == [tokenizer.decode(o, skip_special_tokens=True)
+                     for o in no_mtp["outputs"]]
+    with_mtp = _offline(prompts, mtp=True)
+    for name in COUNTERS:
+        assert _counter(metrics, name) == with_mtp["metrics"][name], name
+    assert "MoE communication: mc2" in log, log[-3000:]
