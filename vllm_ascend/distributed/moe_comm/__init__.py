@@ -117,23 +117,19 @@ class _Selection:
         if not self.methods:
             self.methods = {"allgather": AllGatherMoEComm()}
         if self.forced is not None:
-            name = self.forced
+            name, reason = self.forced, MOE_COMM_ENV
         elif not self.expert_parallel:
-            name = "allgather"
+            name, reason = "allgather", "no expert parallelism"
         else:
             mc2 = self.methods["mc2"]
             assert isinstance(mc2, MC2MoEComm)
-            name = ("mc2" if _max_tokens(num_tokens) <= mc2.capacity else
-                    "allgather")
+            fits = _max_tokens(num_tokens) <= mc2.capacity
+            name = "mc2" if fits else "allgather"
+            reason = (f"expert parallelism, batch "
+                      f"{'within' if fits else 'above'} the MC2 capacity")
         if name not in self.logged:
             self.logged.add(name)
-            logger.info(
-                "MoE communication: %s (%s)", name,
-                f"{MOE_COMM_ENV}" if self.forced else
-                "expert parallelism, batch within the MC2 capacity"
-                if name == "mc2" else "expert parallelism, batch above the "
-                "MC2 capacity" if self.expert_parallel else
-                "no expert parallelism")
+            logger.info("MoE communication: %s (%s)", name, reason)
         return self.methods[name]
 
 
