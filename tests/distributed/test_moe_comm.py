@@ -37,14 +37,14 @@ def _route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Refused(Exception):
-    pass
+    """The dispatch refused the rows before any exchange."""
 
 
 def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
-            method: str, queue, rows: list[int] | None = None) -> None:
-    """``rows``: what each DP rank runs, when it differs from ``counts``,
-    the counts its forward context synced (a dispatch that must fail)."""
-    os.environ[MOE_COMM_ENV] = method
+            methods: list[str], queue, rows: list[int] | None = None) -> None:
+    """Each method in turn, in one distributed session. ``rows``: what
+    each DP rank runs, when it differs from ``counts``, the counts its
+    forward context synced (a dispatch that must fail)."""
     from vllm.config import (ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import (get_ep_group,
@@ -59,6 +59,7 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
     from vllm_ascend.distributed import moe_comm
     from vllm_ascend.distributed.communicator import AscendCommunicator
     from vllm_ascend.ops.moe.experts import moe_experts_ref
+    results: dict[str, str | None] = {}
     try:
         init_distributed_environment(
             world_size=dp * tp,
@@ -74,7 +75,6 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
             enable_expert_parallel=True))
         with set_current_vllm_config(config):
             initialize_model_parallel(tp, 1)
-            moe_comm.configure(config)
             ep = get_ep_group()
             assert isinstance(ep.device_communicator, AscendCommunicator)
             w13, w2 = _experts()
@@ -88,51 +88,62 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
                                        expert_map=expert_map)
 
             x, logits = _tokens(dp_rank, (rows or counts)[dp_rank])
-            with set_forward_context(None,
-                                     config,
-                                     num_tokens=counts[dp_rank],
-                                     num_tokens_across_dp=torch.tensor(
-                                         counts)):
-                moe_comm.begin_step()
-                chosen = moe_comm.current(x.shape[0])
-                assert chosen.name == method, chosen.name
-                try:
-                    hidden, router_logits = ep.dispatch(x, logits)
-                except RuntimeError as e:
-                    raise _Refused(str(e)) from e
-                weights, ids = _route(router_logits)
-                y = chosen.experts(layer, hidden, weights, ids, expert_map,
-                                   compute, False)
-                y = ep.combine(y)
-                if tp > 1:
-                    y = tensor_model_parallel_all_reduce(y)
             want = moe_experts_ref(x, w13, w2, *_route(logits))
-            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-        queue.put((rank, None))
-    except _Refused as e:
-        queue.put((rank, f"refused: {e}"))
+            for method in methods:
+                os.environ[MOE_COMM_ENV] = method
+                moe_comm.configure(config)
+                try:
+                    with set_forward_context(
+                            None,
+                            config,
+                            num_tokens=counts[dp_rank],
+                            num_tokens_across_dp=torch.tensor(counts)):
+                        moe_comm.begin_step()
+                        chosen = moe_comm.current(x.shape[0])
+                        assert chosen.name == method, chosen.name
+                        try:
+                            hidden, router_logits = ep.dispatch(x, logits)
+                        except RuntimeError as e:
+                            raise _Refused(str(e)) from e
+                        weights, ids = _route(router_logits)
+                        y = chosen.experts(layer, hidden, weights, ids,
+                                           expert_map, compute, False)
+                        y = ep.combine(y)
+                        if tp > 1:
+                            y = tensor_model_parallel_all_reduce(y)
+                    torch.testing.assert_close(y, want, rtol=1e-5,
+                                               atol=1e-5)
+                    results[method] = None
+                except _Refused as e:
+                    results[method] = f"refused: {e}"
+                except AssertionError as e:
+                    # After the exchange: every rank goes on to the next.
+                    results[method] = repr(e)[-1500:]
+        queue.put((rank, results))
     except Exception as e:  # reported by the test, not lost in a child
-        queue.put((rank, repr(e)[-1500:]))
+        queue.put((rank, {**results, "error": repr(e)[-1500:]}))
     finally:
         destroy_model_parallel()
         destroy_distributed_environment()
 
 
-def _run(dp: int, tp: int, counts: list[int], method: str,
+def _run(dp: int, tp: int, counts: list[int], methods: list[str],
          rows: list[int] | None = None) -> dict:
     from vllm.utils import get_open_port
-    ctx = multiprocessing.get_context("fork")
+    # Spawned: a fork of a test process whose torch threads have run may
+    # hang in them.
+    ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = get_open_port()
     procs = [
         ctx.Process(target=_worker,
-                    args=(rank, port, dp, tp, counts, method, queue, rows))
+                    args=(rank, port, dp, tp, counts, methods, queue, rows))
         for rank in range(dp * tp)
     ]
     for proc in procs:
         proc.start()
     try:
-        results = dict(queue.get(timeout=120) for _ in procs)
+        results = dict(queue.get(timeout=300) for _ in procs)
     finally:
         for proc in procs:
             proc.join(timeout=20)
@@ -141,12 +152,12 @@ def _run(dp: int, tp: int, counts: list[int], method: str,
     return results
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dp,tp,counts", [(2, 1, [3, 5]), (2, 2, [1, 6])],
                          ids=["dp2-ep", "dp2-tp2-ep"])
-def test_method_gives_single_process_output(method, dp, tp, counts):
-    results = _run(dp, tp, counts, method)
-    assert results == dict.fromkeys(range(dp * tp)), results
+def test_methods_give_single_process_output(dp, tp, counts):
+    results = _run(dp, tp, counts, list(METHODS))
+    assert results == {rank: dict.fromkeys(METHODS)
+                       for rank in range(dp * tp)}, results
 
 
 def test_dispatch_refuses_rows_other_than_the_synced_count():
@@ -154,7 +165,8 @@ def test_dispatch_refuses_rows_other_than_the_synced_count():
     forward context synced another count than the rows it runs (its
     synced vs real length, padding added after the sync) fails before any
     exchange, in one line naming both."""
-    results = _run(2, 1, [3, 5], "allgather", rows=[2, 4])
+    results = _run(2, 1, [3, 5], ["allgather"], rows=[2, 4])
+    results = {rank: r.get("allgather", r) for rank, r in results.items()}
     assert results[0].startswith(
         "refused: MoE dispatch on DP rank 0: 2 token rows, but the forward "
         "context synced 3 for this rank"), results
