@@ -30,7 +30,12 @@ logger = init_logger(__name__)
 MOE_COMM_ENV = "VLLM_ASCEND_MOE_COMM"
 MC2_CAPACITY_ENV = "VLLM_ASCEND_MC2_CAPACITY"
 DEFAULT_MC2_CAPACITY = 256
-METHODS = ("allgather", "alltoall", "mc2")
+_CLASSES: dict[str, type[MoECommMethod]] = {
+    "allgather": AllGatherMoEComm,
+    "alltoall": AllToAllMoEComm,
+    "mc2": MC2MoEComm,
+}
+METHODS = tuple(_CLASSES)
 
 __all__ = ["ExpertsFn", "MoECommMethod", "begin_step", "check_config",
            "configure", "current"]
@@ -80,9 +85,9 @@ def check_config(vllm_config) -> None:
     graphs = (vllm_config.compilation_config.cudagraph_mode
               != CUDAGraphMode.NONE
               and not vllm_config.model_config.enforce_eager)
-    if name == "alltoall" and graphs:
+    if graphs and not _CLASSES[name].graph_safe:
         raise ValueError(
-            f"{MOE_COMM_ENV}=alltoall reads per-rank token counts on the "
+            f"{MOE_COMM_ENV}={name} reads per-rank token counts on the "
             "host and cannot run in captured graphs (graph mode is the "
             f"default): add --enforce-eager, or use {MOE_COMM_ENV}=mc2.")
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
