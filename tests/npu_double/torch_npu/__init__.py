@@ -1,8 +1,8 @@
 """torch_npu, as a contract double on CPU tensors (test-only).
 
 Importing it does what importing torch_npu does: ``torch.npu`` appears and
-the ``hccl`` process-group backend is registered (here gloo underneath).
-The ops are in ``_ops``.
+the ``hccl`` process-group backend is registered (``_hccl``: HCCL's
+checks, gloo underneath). The ops are in ``_ops``.
 """
 
 import sys
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import npu as _npu_module
+from ._hccl import HcclContractGroup
 from ._ops import (_npu_reshape_and_cache, npu_add_rms_norm,  # noqa: F401
                    npu_fused_infer_attention_score, npu_grouped_matmul,
                    npu_dynamic_quant, npu_moe_gating_top_k,
@@ -31,11 +32,8 @@ def _register() -> None:
         torch.npu = _npu_module
         sys.modules["torch.npu"] = _npu_module
     if "hccl" not in dist.Backend.backend_list:
-
-        def _hccl_as_gloo(store, rank, size, timeout):
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-        dist.Backend.register_backend("hccl", _hccl_as_gloo, devices=["cpu"])
+        dist.Backend.register_backend("hccl", HcclContractGroup,
+                                      devices=["cpu"])
 
 
 _register()

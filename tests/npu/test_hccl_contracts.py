@@ -1,0 +1,155 @@
+"""The double's ``hccl`` process group checks HCCL's contract.
+
+Two ranks in one process (threads over one store). Each case first makes
+the valid call on both ranks (gloo computes it), then breaks one argument
+on one rank: the call fails before anything is sent, as ProcessGroupHCCL
+fails in its argument checks.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+
+pytestmark = pytest.mark.skipif(
+    REAL_NPU, reason="checks the double; a real NPU has the real contracts")
+
+
+@pytest.fixture(scope="module")
+def groups():
+    with torch_npu_in_process():
+        from torch_npu._hccl import HcclContractGroup
+        store = dist.HashStore()
+        with ThreadPoolExecutor(2) as pool:
+            made = list(pool.map(
+                lambda rank: HcclContractGroup(store, rank, 2,
+                                               timedelta(seconds=30)),
+                range(2)))
+        yield made
+
+
+def _both(groups, fn):
+    """fn(group, rank) on both ranks at once; their results."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(fn, groups, range(2)))
+
+
+def _opts(cls, **fields):
+    opts = cls()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+ALLREDUCE = dist.AllreduceOptions
+
+
+def test_allreduce(groups):
+    def valid(group, rank):
+        t = torch.full((2, 3), rank + 1, dtype=torch.bfloat16)
+        group.allreduce([t], ALLREDUCE()).wait()
+        b = torch.tensor([rank == 0, False])
+        group.allreduce([b], _opts(ALLREDUCE,
+                                   reduceOp=dist.ReduceOp.MAX)).wait()
+        return t, b
+
+    for t, b in _both(groups, valid):
+        assert torch.equal(t, torch.full((2, 3), 3, dtype=torch.bfloat16))
+        assert b.tolist() == [True, False]  # bool: cast to int32 first
+    group = groups[0]
+    with pytest.raises(RuntimeError, match="Tensors must be contiguous"):
+        group.allreduce([torch.ones(3, 2).t()], ALLREDUCE())
+    with pytest.raises(RuntimeError, match="HCCL allreduce: Unsupported data "
+                       "type at::kDouble"):
+        group.allreduce([torch.ones(2, dtype=torch.float64)], ALLREDUCE())
+    with pytest.raises(RuntimeError,
+                       match="Cannot use ReduceOp.BAND with HCCL"):
+        group.allreduce([torch.ones(2, dtype=torch.int32)],
+                        _opts(ALLREDUCE, reduceOp=dist.ReduceOp.BAND))
+    with pytest.raises(RuntimeError, match="Unsupported data type for HCCL"):
+        group.allreduce([torch.ones(2, dtype=torch.complex64)], ALLREDUCE())
+    with pytest.raises(RuntimeError, match="larger than the number of"):
+        group.allreduce([torch.ones(2), torch.ones(2)], ALLREDUCE())
+
+
+def test_all_gather_into_tensor(groups):
+    def valid(group, rank):
+        out = torch.empty(4, dtype=torch.int64)
+        group._allgather_base(out, torch.tensor([rank, 10 + rank]),
+                              AllgatherOptions()).wait()
+        return out
+
+    assert all(out.tolist() == [0, 10, 1, 11] for out in _both(groups, valid))
+    group = groups[0]
+    with pytest.raises(RuntimeError, match="world_size times input"):
+        group._allgather_base(torch.empty(3), torch.ones(2),
+                              AllgatherOptions())
+    with pytest.raises(RuntimeError, match="same type as input"):
+        group._allgather_base(torch.empty(4), torch.ones(2,
+                                                         dtype=torch.int32),
+                              AllgatherOptions())
+
+
+def test_reduce_scatter_tensor(groups):
+    def valid(group, rank):
+        out = torch.empty(2)
+        group._reduce_scatter_base(out, torch.arange(4.) + rank,
+                                   dist.ReduceScatterOptions()).wait()
+        return out
+
+    assert [o.tolist() for o in _both(groups, valid)] == [[1., 3.], [5., 7.]]
+    group = groups[0]
+    with pytest.raises(RuntimeError, match="output size times world size"):
+        group._reduce_scatter_base(torch.empty(2), torch.ones(3),
+                                   dist.ReduceScatterOptions())
+    with pytest.raises(RuntimeError, match="HCCL _reduce_scatter_base: "
+                       "Unsupported data type at::kBool"):
+        # Unlike allreduce, no cast to int32 first.
+        group._reduce_scatter_base(torch.empty(2, dtype=torch.bool),
+                                   torch.ones(4, dtype=torch.bool),
+                                   dist.ReduceScatterOptions())
+
+
+def test_all_to_all_single(groups):
+    def valid(group, rank):
+        # Uneven splits: rank 0 sends 1 row to itself and 2 to rank 1.
+        inp = torch.arange(3.) + 10 * rank
+        splits_in = [1, 2] if rank == 0 else [2, 1]
+        splits_out = [1, 2] if rank == 0 else [2, 1]
+        out = torch.empty(sum(splits_out))
+        group.alltoall_base(out, inp, splits_out, splits_in,
+                            dist.AllToAllOptions()).wait()
+        return out
+
+    assert [o.tolist() for o in _both(groups, valid)] == [[0., 10., 11.],
+                                                          [1., 2., 12.]]
+    group = groups[0]
+    with pytest.raises(RuntimeError, match="Split sizes doesn't match"):
+        group.alltoall_base(torch.empty(3), torch.empty(3), [1, 2], [1, 1],
+                            dist.AllToAllOptions())
+    with pytest.raises(RuntimeError, match="not equal to group size"):
+        group.alltoall_base(torch.empty(3), torch.empty(3), [3], [3],
+                            dist.AllToAllOptions())
+    with pytest.raises(RuntimeError, match="does not divide equally"):
+        group.alltoall_base(torch.empty(3), torch.empty(3), [], [],
+                            dist.AllToAllOptions())
+    with pytest.raises(RuntimeError, match="not equal in size or data type"):
+        group.alltoall_base(torch.empty(4), torch.empty(4, dtype=torch.int32),
+                            [], [], dist.AllToAllOptions())
+
+
+def test_unsupported_and_comm_names(groups):
+    group = groups[0]
+    with pytest.raises(RuntimeError, match="does not support gather"):
+        group.gather([[torch.empty(2)] * 2], [torch.ones(2)],
+                     dist.GatherOptions())
+    with pytest.raises(RuntimeError, match="Invalid rank -1"):
+        group.get_hccl_comm_name(-1)
+    name = group._get_backend(torch.device("cpu")).get_hccl_comm_name(0)
+    assert name and group.get_hccl_comm_name(0) == name
+    assert groups[1].get_hccl_comm_name(1) != name
