@@ -109,7 +109,6 @@ class HcclContractGroup(dist.ProcessGroup):
         _check(rankid >= 0, f"Invalid rank {rankid}")
         if not self._comm_name and init_comm:
             self._comm_name = f"hccl_double_comm_{next(_comm_names)}"
-            _COMMS[self._comm_name] = self
         return self._comm_name
 
     def allreduce(self, tensors, opts=None):
@@ -122,8 +121,7 @@ class HcclContractGroup(dist.ProcessGroup):
         _single(tensors)
         return super().broadcast(tensors, opts)
 
-    def allgather(self, output_lists, input_list,
-                  opts=None):
+    def allgather(self, output_lists, input_list, opts=None):
         t = _single(input_list)
         for outputs in output_lists:
             _check(len(outputs) == self.size(),
@@ -146,8 +144,7 @@ class HcclContractGroup(dist.ProcessGroup):
                "tensor size")
         return super()._allgather_base(output, input, opts)
 
-    def _reduce_scatter_base(self, output, input,
-                             opts=None):
+    def _reduce_scatter_base(self, output, input, opts=None):
         _tensor(input)
         _mapped(output)
         _check(input.dtype == output.dtype,
@@ -159,8 +156,7 @@ class HcclContractGroup(dist.ProcessGroup):
         _reducible(input, "_reduce_scatter_base", cast_bool=False)
         return super()._reduce_scatter_base(output, input, opts)
 
-    def reduce_scatter(self, outputs, input_lists,
-                       opts=None):
+    def reduce_scatter(self, outputs, input_lists, opts=None):
         _check(len(outputs) > 0 and all(input_lists),
                "Tensor list operands to reduce_scatter must be non-empty")
         t = _single(outputs)
@@ -213,14 +209,3 @@ class HcclContractGroup(dist.ProcessGroup):
     def gather(self, outputs, inputs, opts=None):
         _fail("ProcessGroupHCCL does not support gather")
 
-
-# HCCL communicator names handed out by get_hccl_comm_name, for the MC2
-# kernels' group arguments.
-_COMMS: dict[str, HcclContractGroup] = {}
-
-
-def group_of(comm_name: str, op: str) -> HcclContractGroup:
-    group = _COMMS.get(comm_name)
-    _check(group is not None, f"{op}: {comm_name!r} is not an HCCL "
-           "communicator name (get_hccl_comm_name)")
-    return group
