@@ -6,8 +6,11 @@ on one rank: the call fails before anything is sent, as ProcessGroupHCCL
 fails in its argument checks.
 """
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +156,48 @@ def test_unsupported_and_comm_names(groups):
     name = group._get_backend(torch.device("cpu")).get_hccl_comm_name(0)
     assert name and group.get_hccl_comm_name(0) == name
     assert groups[1].get_hccl_comm_name(1) != name
+
+
+# vLLM's naive all2all multicast: one broadcast per rank of a temporary
+# slice. Gloo's worker frees a finished slice under its queue lock, and that
+# needs the GIL when the slice's Python object is already gone.
+_MULTICAST = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+import torch, torch.distributed as dist
+from tests.npu.helpers import torch_npu_in_process
+with torch_npu_in_process():
+    from torch_npu._hccl import HcclContractGroup
+    store = dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda rank: HcclContractGroup(
+            store, rank, 2, timedelta(seconds=30)), range(2)))
+
+    def multicast(group, rank):
+        buffer = torch.zeros(64, 8)
+        for step in range(2000):
+            for src in range(2):
+                opts = dist.BroadcastOptions()
+                opts.rootRank = src
+                group.broadcast([buffer[32 * src:32 * (src + 1)]],
+                                opts).wait()
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(multicast, groups, range(2)))
+print("done")
+"""
+
+
+def test_collectives_do_not_hold_the_gil_while_gloo_frees_tensors():
+    """A collective must not wait for gloo's queue with the GIL held (torch's
+    Python-ProcessGroup trampoline does): without that, this loop deadlocks
+    within a few hundred steps."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _MULTICAST],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parents[2])
+    except subprocess.TimeoutExpired:
+        pytest.fail("broadcasts of temporary slices deadlocked in the "
+                    "double's hccl group")
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]

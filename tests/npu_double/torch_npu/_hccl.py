@@ -4,11 +4,18 @@ Each check is written from torch_npu's ProcessGroupHCCL
 (Ascend/pytorch, ``torch_npu/csrc/distributed/ProcessGroupHCCL.cpp`` and
 ``HCCLUtils.cpp``; the v2.8.0 release branch is what torch_npu 2.8.0
 ships) and raises its error text as a RuntimeError. The collective itself
-is the gloo one, called through the dispatcher (``c10d.allreduce_`` and
-friends), so a graph capture records it like any collective and a replay
-runs it again without the checks, as a device graph replays what was
-captured. Not checkable here: that tensors live on the NPU (the double's
-are CPU tensors).
+is the gloo backend's, launched as one kernel of the graph emulator, so a
+graph capture records it and a replay runs it again without the checks, as
+a device graph replays what was captured. Not checkable here: that tensors
+live on the NPU (the double's are CPU tensors).
+
+Why the gloo backend is called directly rather than through
+``super()``: torch's trampoline for a Python ``ProcessGroup`` runs the base
+collective with the GIL held (``WORK_OVERRIDE`` in ``PyProcessGroup.hpp``),
+while gloo's worker thread, holding its queue lock, may need the GIL to free
+a finished collective's tensors (a temporary view whose Python object is
+gone). The next collective then waits for that lock with the GIL held: a
+deadlock. The backend's own binding releases the GIL.
 """
 
 import itertools
@@ -16,6 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from vllm_ascend.compilation.graph_emulator import kernel
 
 # HCCLUtils.cpp, kScalarTypeToHcclDataType.
 MAPPED = {
@@ -87,14 +96,24 @@ def _reduce_op(op, t: torch.Tensor) -> None:
                "PreMulSum Data type must be half, float, bfloat16 or double")
 
 
+@kernel
+def _launch(collective, *args):
+    """One collective on the gloo backend, waited for before the next
+    kernel as on a device stream; the caller's wait returns at once."""
+    work = collective(*args)
+    work.wait()
+    return work
+
+
 class HcclContractGroup(dist.ProcessGroup):
     """What ``backend="hccl"`` creates under the double."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._register_backend(torch.device("cpu"),
-                               dist.ProcessGroup.BackendType.GLOO, gloo)
+                               dist.ProcessGroup.BackendType.GLOO,
+                               self._gloo)
         self._comm_name = ""
 
     def getBackendName(self) -> str:
@@ -115,11 +134,24 @@ class HcclContractGroup(dist.ProcessGroup):
         t = _single(tensors)
         _reduce_op(opts.reduceOp, t)
         _reducible(t, "allreduce", cast_bool=True)
-        return super().allreduce(tensors, opts)
+        return _launch(self._gloo.allreduce, tensors, opts)
+
+    def reduce(self, tensors, opts=None):
+        t = _single(tensors)
+        _reduce_op(opts.reduceOp, t)
+        _reducible(t, "reduce", cast_bool=True)
+        return _launch(self._gloo.reduce, tensors, opts)
+
+    def barrier(self, opts=None):
+        return _launch(self._gloo.barrier, opts or dist.BarrierOptions())
+
+    def scatter(self, outputs, input_lists, opts=None):
+        _single(outputs)
+        return _launch(self._gloo.scatter, outputs, input_lists, opts)
 
     def broadcast(self, tensors, opts=None):
         _single(tensors)
-        return super().broadcast(tensors, opts)
+        return _launch(self._gloo.broadcast, tensors, opts)
 
     def allgather(self, output_lists, input_list, opts=None):
         t = _single(input_list)
@@ -132,7 +164,7 @@ class HcclContractGroup(dist.ProcessGroup):
                        "type")
                 _check(out.numel() == t.numel(), "All tensor operands to "
                        "scatter/gather must have the same size")
-        return super().allgather(output_lists, input_list, opts)
+        return _launch(self._gloo.allgather, output_lists, input_list, opts)
 
     def _allgather_base(self, output, input, opts=None):
         _tensor(input)
@@ -142,7 +174,7 @@ class HcclContractGroup(dist.ProcessGroup):
         _check(output.numel() == self.size() * input.numel(),
                "output tensor size must be equal to world_size times input "
                "tensor size")
-        return super()._allgather_base(output, input, opts)
+        return _launch(self._gloo._allgather_base, output, input, opts)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _tensor(input)
@@ -154,7 +186,7 @@ class HcclContractGroup(dist.ProcessGroup):
                "world size")
         _reduce_op(opts.reduceOp, input)
         _reducible(input, "_reduce_scatter_base", cast_bool=False)
-        return super()._reduce_scatter_base(output, input, opts)
+        return _launch(self._gloo._reduce_scatter_base, output, input, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         _check(len(outputs) > 0 and all(input_lists),
@@ -162,7 +194,7 @@ class HcclContractGroup(dist.ProcessGroup):
         t = _single(outputs)
         _reduce_op(opts.reduceOp, t)
         _reducible(t, "reduce_scatter", cast_bool=False)
-        return super().reduce_scatter(outputs, input_lists, opts)
+        return _launch(self._gloo.reduce_scatter, outputs, input_lists, opts)
 
     def alltoall_base(self, output, input, output_split_sizes,
                       input_split_sizes, opts=None):
@@ -183,7 +215,7 @@ class HcclContractGroup(dist.ProcessGroup):
                        "Number of tensor splits not equal to group size")
                 _check(sum(splits) == t.shape[0],
                        "Split sizes doesn't match total dim 0 size")
-        return super().alltoall_base(output, input, output_split_sizes,
+        return _launch(self._gloo.alltoall_base, output, input, output_split_sizes,
                                      input_split_sizes, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
@@ -193,15 +225,15 @@ class HcclContractGroup(dist.ProcessGroup):
                "the size of input_tensors and output_tensors must equal")
         for t in list(outputs) + list(inputs):
             _tensor(t)
-        return super().alltoall(outputs, inputs, opts)
+        return _launch(self._gloo.alltoall, outputs, inputs, opts)
 
     def send(self, tensors, dst: int, tag: int):
         _single(tensors)
-        return super().send(tensors, dst, tag)
+        return _launch(self._gloo.send, tensors, dst, tag)
 
     def recv(self, tensors, src: int, tag: int):
         _single(tensors)
-        return super().recv(tensors, src, tag)
+        return _launch(self._gloo.recv, tensors, src, tag)
 
     def recv_anysource(self, tensors, tag: int):
         _fail("ProcessGroupHCCL does not support recv")
