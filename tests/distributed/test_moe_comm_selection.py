@@ -1,6 +1,7 @@
 """Which MoE communication method a step uses, and the configurations that
 fail at startup."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -107,3 +108,55 @@ def test_parallel_layout(config, message):
     else:
         with pytest.raises(ValueError, match=message):
             checks.check_parallel_layout(config)
+
+
+def _kernel_config(dp=2, tp=8, experts=160, top_k=8, hidden=5120,
+                   eplb=False, placement="linear"):
+    """GLM-4.5's MoE by default, as the report serves it (DP 2 x TP 8)."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            data_parallel_size=dp, tensor_parallel_size=tp,
+            enable_eplb=eplb, expert_placement_strategy=placement),
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(
+            n_routed_experts=experts, num_experts_per_tok=top_k,
+            hidden_size=hidden)))
+
+
+@pytest.mark.parametrize("family,changes,reason", [
+    ("A2", {}, None),
+    ("A3", {}, None),
+    (None, {}, "neither Atlas A2 nor A3"),
+    # EP 12: not a size the A2 fullmesh kernels take; A3 takes it.
+    ("A2", dict(dp=3, tp=4, experts=192), "EP size 12 is not one of"),
+    ("A3", dict(dp=3, tp=4, experts=192), None),
+    ("A2", dict(experts=100), "divisible by the EP size 16"),
+    ("A2", dict(top_k=17, experts=176), "top-k 17"),
+    ("A2", dict(hidden=5000), "hidden size 5000 is not a multiple of 32"),
+    ("A3", dict(hidden=64), r"outside \[1024, 8192\]"),
+    ("A2", dict(hidden=64, dp=2, tp=1, experts=4, top_k=2), None),
+    ("A2", dict(eplb=True), "EPLB"),
+    ("A2", dict(placement="round_robin"), "round_robin"),
+])
+def test_fused_mc2_kernel_limits(family, changes, reason):
+    """The fused MC2 kernels' documented limits (op-plugin's
+    dispatch_v2/combine_v2 pages): outside them MC2 runs the torch
+    exchange, and the reason is logged."""
+    from vllm_ascend.distributed.moe_comm import mc2_kernels
+    got = mc2_kernels.unsupported_reason(_kernel_config(**changes), 256,
+                                         family)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and re.search(reason, got), got
+
+
+def test_fused_mc2_tokens_per_rank():
+    from vllm_ascend.distributed.moe_comm import mc2_kernels
+    # Each TP rank sends its share: capacity / TP rows per EP rank.
+    assert mc2_kernels.max_tokens_per_rank(256, 8) == 32
+    assert mc2_kernels.max_tokens_per_rank(5, 2) == 3
+    config = _kernel_config(tp=1, dp=16)
+    assert mc2_kernels.unsupported_reason(config, 256, "A2") is None
+    assert "exceed the kernels' 256" in mc2_kernels.unsupported_reason(
+        config, 257, "A2")
+    assert mc2_kernels.unsupported_reason(config, 512, "A3") is None

@@ -70,3 +70,10 @@ def assert_equal_up_to_near_tie(got: list[list[int]], want: list[list[int]],
         assert gap <= NEAR_TIE, (
             f"request {i} differs at token {j}: {g[j]} vs {w[j]}, log-prob "
             f"gap {gap:.3f} > {NEAR_TIE}")
+
+
+def on_both_ranks(groups, fn):
+    """``fn(group, rank)`` on two ranks at once (threads); the results."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(fn, groups, range(2)))

@@ -8,8 +8,6 @@ fails in its argument checks.
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,29 +15,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+from tests.npu.helpers import REAL_NPU, on_both_ranks as _both
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="checks the double; a real NPU has the real contracts")
-
-
-@pytest.fixture(scope="module")
-def groups():
-    with torch_npu_in_process():
-        from torch_npu._hccl import HcclContractGroup
-        store = dist.HashStore()
-        with ThreadPoolExecutor(2) as pool:
-            made = list(pool.map(
-                lambda rank: HcclContractGroup(store, rank, 2,
-                                               timedelta(seconds=30)),
-                range(2)))
-        yield made
-
-
-def _both(groups, fn):
-    """fn(group, rank) on both ranks at once; their results."""
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(fn, groups, range(2)))
 
 
 def _opts(cls, **fields):

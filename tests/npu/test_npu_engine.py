@@ -15,7 +15,10 @@ import pytest
 from tests.e2e.checkpoints import write_random_glm45
 from tests.e2e.dp_engine import run_dp_engine
 from tests.e2e.engine import run_engine
-from tests.npu.helpers import NPU_ENV, assert_equal_up_to_near_tie
+from tests.npu.helpers import (NPU_ENV, REAL_NPU, assert_equal_up_to_near_tie,
+                               trace_path)
+
+TRACE_ENV = "VLLM_ASCEND_NPU_DOUBLE_TRACE"
 
 pytestmark = pytest.mark.npu
 
@@ -122,20 +125,36 @@ def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
                        for key in graphs["replayed"]), graphs
 
 
-def test_dp2_ep_mtp_equals_reference(setup):
-    """DP=2 with expert parallelism and MTP: the NPU MoE dispatch across
-    ranks over hccl. The ranks sum expert outputs in another order than one
-    rank does, so the comparison with the one-rank reference stops at the
-    first near-tie."""
+@pytest.mark.parametrize("tp,k", [(1, 1), (2, 2)], ids=["dp2-k1",
+                                                          "dp2xtp2-k2"])
+def test_dp2_ep_mtp_equals_reference(setup, tmp_path, tp, k):
+    """DP=2 (also x TP=2: 4 processes) with expert parallelism and MTP: the
+    MoE layers run MC2 through the fused dispatch/combine kernels over
+    hccl, each TP rank sending its share of the tokens (a TP rank without
+    one sends a token whose result it drops: the kernels take no empty
+    batch). The ranks sum expert outputs in another order than one rank
+    does, so the comparison with the one-rank reference stops at the first
+    near-tie."""
     engine, prompts, sampling, reference = setup
     engine = dict(engine, enable_expert_parallel=True,
+                  tensor_parallel_size=tp,
                   speculative_config=dict(method="glm4_moe_mtp",
-                                          num_speculative_tokens=1))
+                                          num_speculative_tokens=k))
     per_rank = [[0, 1, 2], [3]]
+    trace = tmp_path / "trace.txt"
     outs = run_dp_engine(engine, [[prompts[i] for i in r] for r in per_rank],
-                         [sampling] * 2, env=NPU_ENV, timeout=240)
+                         [sampling] * 2,
+                         env={**NPU_ENV, TRACE_ENV: str(trace)},
+                         timeout=240 * tp)
     for indices, out in zip(per_rank, outs):
         assert_equal_up_to_near_tie(
             out["outputs"], [reference["outputs"][i] for i in indices],
             [reference["logprobs"][i] for i in indices])
         assert out["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    reached = trace.read_text() if trace.exists() else ""
+    if not REAL_NPU:
+        assert "npu_moe_distribute_dispatch_v2" in reached
+        assert "npu_moe_distribute_combine_v2" in reached
+        # The session's record of NPU call sites (test_npu_call_sites).
+        with open(trace_path(), "a") as f:
+            f.write(reached)

@@ -20,6 +20,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm_ascend.distributed import moe_comm
 from vllm_ascend.ops.moe.fused_moe import route
 from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
+                                                grouped_mlp_w8a8_npu,
                                                 moe_experts_w8a8)
 
 
@@ -136,6 +137,13 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 activation=activation)
 
+        def grouped(rows, group_ends):
+            return grouped_mlp_w8a8_npu(rows, group_ends, layer.w13_weight,
+                                        layer.w2_weight,
+                                        layer.w13_weight_scale,
+                                        layer.w2_weight_scale)
+
         return moe_comm.current(x.shape[0]).experts(
             layer, x, topk_weights, topk_ids, expert_map, compute,
-            apply_router_weight_on_input)
+            apply_router_weight_on_input,
+            grouped=grouped if activation == "silu" else None)

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from . import npu as _npu_module
 from ._hccl import HcclContractGroup
+from ._mc2 import (npu_moe_distribute_combine_v2,  # noqa: F401
+                   npu_moe_distribute_dispatch_v2)
 from ._ops import (_npu_reshape_and_cache, npu_add_rms_norm,  # noqa: F401
                    npu_fused_infer_attention_score, npu_grouped_matmul,
                    npu_dynamic_quant, npu_moe_gating_top_k,

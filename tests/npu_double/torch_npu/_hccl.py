@@ -128,6 +128,7 @@ class HcclContractGroup(dist.ProcessGroup):
         _check(rankid >= 0, f"Invalid rank {rankid}")
         if not self._comm_name and init_comm:
             self._comm_name = f"hccl_double_comm_{next(_comm_names)}"
+            _COMMS[self._comm_name] = self
         return self._comm_name
 
     def allreduce(self, tensors, opts=None):
@@ -241,3 +242,14 @@ class HcclContractGroup(dist.ProcessGroup):
     def gather(self, outputs, inputs, opts=None):
         _fail("ProcessGroupHCCL does not support gather")
 
+
+# HCCL communicator names handed out by get_hccl_comm_name, for the MC2
+# kernels' group arguments.
+_COMMS: dict[str, HcclContractGroup] = {}
+
+
+def group_of(comm_name: str, op: str) -> HcclContractGroup:
+    group = _COMMS.get(comm_name)
+    _check(group is not None, f"{op}: {comm_name!r} is not an HCCL "
+           "communicator name (get_hccl_comm_name)")
+    return group

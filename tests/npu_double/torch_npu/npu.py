@@ -137,6 +137,19 @@ def get_device_name(device=None) -> str:
     return "Ascend910B-double"
 
 
+@traced("torch.npu.get_soc_version")
+def get_soc_version() -> int:
+    """torch_npu's SoC code: 220-225 Atlas A2 (Ascend910B), 250-255 Atlas
+    A3 (Ascend910_93). ``VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION``, 220 (the
+    Ascend910B the device name says) by default."""
+    return soc_version()
+
+
+def soc_version() -> int:
+    """``get_soc_version`` for the double's own ops (not recorded)."""
+    return int(os.environ.get("VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION", "220"))
+
+
 @traced("torch.npu.get_device_properties")
 def get_device_properties(device=None) -> NPUDeviceProperties:
     _index(device, "get_device_properties")

@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 from vllm_ascend.distributed.moe_comm.all_gather import AllGatherMoEComm
 from vllm_ascend.distributed.moe_comm.all_to_all import AllToAllMoEComm
 from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm import mc2_kernels
 from vllm_ascend.distributed.moe_comm.mc2 import MC2MoEComm
 
 logger = init_logger(__name__)
@@ -111,10 +112,13 @@ class _Selection:
     def configure(self, vllm_config) -> None:
         self.expert_parallel = _uses_ep(vllm_config)
         self.forced = forced_method()
+        capacity = mc2_capacity()
+        kernels = (mc2_kernels.create(vllm_config, capacity)
+                   if self.expert_parallel else None)
         self.methods = {
             "allgather": AllGatherMoEComm(),
             "alltoall": AllToAllMoEComm(),
-            "mc2": MC2MoEComm(mc2_capacity()),
+            "mc2": MC2MoEComm(capacity, kernels),
         }
         self.step_method = None
 

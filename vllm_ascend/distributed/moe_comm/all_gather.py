@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+                                                   MoECommMethod)
 
 
 class AllGatherMoEComm(MoECommMethod):
@@ -27,5 +28,6 @@ class AllGatherMoEComm(MoECommMethod):
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
+                apply_router_weight_on_input: bool,
+                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
         return compute(x, topk_weights, topk_ids, expert_map)

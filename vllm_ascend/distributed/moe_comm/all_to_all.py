@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed import get_ep_group
 
-from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+                                                   MoECommMethod)
 from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
                                                        pair_rows, tp_share,
                                                        weighted_sum)
@@ -29,7 +30,8 @@ class AllToAllMoEComm(MoECommMethod):
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
+                apply_router_weight_on_input: bool,
+                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
         ep = get_ep_group()
         group = ep.device_group
         share = tp_share(x.shape[0])

@@ -13,7 +13,10 @@ A method decides where the routed experts of a token are computed:
 
 ``compute(x, topk_weights, topk_ids, expert_map)`` is the layer's expert
 kernel (float or W8A8) on global expert ids; rows whose expert another rank
-holds come back zero.
+holds come back zero. ``grouped(rows, group_ends)``, where the layer has
+one (the NPU's SwiGLU experts), runs rows already grouped by local expert
+(cumulative counts) through their experts' MLP: what the NPU's fused MC2
+dispatch hands over.
 """
 
 from abc import ABC, abstractmethod
@@ -24,6 +27,7 @@ import torch
 ExpertsFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
     torch.Tensor]
+GroupedFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MoECommMethod(ABC):
@@ -43,5 +47,6 @@ class MoECommMethod(ABC):
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
+                apply_router_weight_on_input: bool,
+                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
         raise NotImplementedError

@@ -6,8 +6,9 @@ Each rank sends every other rank a buffer of ``capacity * top_k`` rows
 ``capacity`` tokens), empty rows marked by the expert id E (no rank's);
 the receiver computes its experts on all rows and sends them back in
 place. This is the contract of the NPU's fused MC2 kernels
-(npu_moe_distribute_dispatch / combine), implemented with
-torch.distributed's all_to_all_single on both devices.
+(npu_moe_distribute_dispatch_v2 / combine_v2), which run instead on an
+NPU whose kernels take the configuration (``mc2_kernels``); elsewhere it is
+torch.distributed's all_to_all_single.
 """
 
 from typing import Optional
@@ -16,29 +17,38 @@ import torch
 import torch.distributed as dist
 from vllm.distributed import get_ep_group
 
-from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+                                                   MoECommMethod)
 from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
                                                        pair_rows, tp_share,
                                                        weighted_sum)
+from vllm_ascend.distributed.moe_comm.mc2_kernels import FusedMC2Kernels
 
 
 class MC2MoEComm(MoECommMethod):
     name = "mc2"
     graph_safe = True
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int,
+                 kernels: Optional[FusedMC2Kernels] = None):
         self.capacity = capacity
+        self.kernels = kernels
 
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
+                apply_router_weight_on_input: bool,
+                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
         if x.shape[0] > self.capacity:
             raise RuntimeError(
                 f"MC2 MoE method: {x.shape[0]} tokens on this rank exceed "
                 f"its capacity {self.capacity}; raise "
                 "VLLM_ASCEND_MC2_CAPACITY or use VLLM_ASCEND_MOE_COMM="
                 "allgather.")
+        if (self.kernels is not None and grouped is not None
+                and not apply_router_weight_on_input):
+            return self.kernels.experts(x, topk_weights, topk_ids,
+                                        expert_map.shape[0], grouped)
         ep = get_ep_group()
         group = ep.device_group
         ranks = ep.world_size

@@ -104,21 +104,29 @@ def _moe_experts_npu(
                                expert_map=expert_map,
                                apply_router_weight_on_input=True,
                                activation=activation)
-    import torch_npu
     permuted, src_slot, group_ends = _npu_permute(x, topk_ids, expert_map,
                                                   w13.shape[0])
-    gate_up = torch_npu.npu_grouped_matmul([permuted], [w13.transpose(1, 2)],
+    y = grouped_mlp_npu(permuted, group_ends, w13, w2)
+    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+
+
+def grouped_mlp_npu(rows: torch.Tensor, group_ends: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by local expert (``group_ends``: cumulative counts)
+    through their experts' SwiGLU MLP; rows past the last group are left
+    undefined, as npu_grouped_matmul leaves them."""
+    import torch_npu
+    gate_up = torch_npu.npu_grouped_matmul([rows], [w13.transpose(1, 2)],
                                            group_list=group_ends,
                                            split_item=2,
                                            group_type=0,
                                            group_list_type=0)[0]
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
-    y = torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
-                                     group_list=group_ends,
-                                     split_item=2,
-                                     group_type=0,
-                                     group_list_type=0)[0]
-    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+    return torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
+                                        group_list=group_ends,
+                                        split_item=2,
+                                        group_type=0,
+                                        group_list_type=0)[0]
 
 
 def _npu_permute(

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.fused_moe.layer import (
     UnquantizedFusedMoEMethod)
 
 from vllm_ascend.distributed import moe_comm
-from vllm_ascend.ops.moe.experts import moe_experts
+from vllm_ascend.ops.moe.experts import grouped_mlp_npu, moe_experts
 from vllm_ascend.ops.moe.routing import select_experts
 
 
@@ -132,9 +132,14 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 activation=activation)
 
+        def grouped(rows, group_ends):
+            return grouped_mlp_npu(rows, group_ends, layer.w13_weight,
+                                   layer.w2_weight)
+
         return moe_comm.current(x.shape[0]).experts(
             layer, x, topk_weights, topk_ids, expert_map, compute,
-            apply_router_weight_on_input)
+            apply_router_weight_on_input,
+            grouped=grouped if activation == "silu" else None)
 
     # With custom ops disabled (inductor), CustomOp dispatches to
     # forward_native, which vLLM bound to the triton path.

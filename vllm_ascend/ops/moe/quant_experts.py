@@ -104,10 +104,21 @@ def _moe_experts_w8a8_npu(
                                     expert_map=expert_map,
                                     apply_router_weight_on_input=True,
                                     activation=activation)
-    import torch_npu
     permuted, src_slot, group_ends = _npu_permute(x, topk_ids, expert_map,
                                                   w13.shape[0])
-    q, s = torch_npu.npu_dynamic_quant(permuted)
+    y = grouped_mlp_w8a8_npu(permuted, group_ends, w13, w2, w13_scale,
+                             w2_scale)
+    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+
+
+def grouped_mlp_w8a8_npu(rows: torch.Tensor, group_ends: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor,
+                         w13_scale: torch.Tensor,
+                         w2_scale: torch.Tensor) -> torch.Tensor:
+    """``experts.grouped_mlp_npu`` with int8 weights: per-token quantized
+    activations, output in the rows' dtype."""
+    import torch_npu
+    q, s = torch_npu.npu_dynamic_quant(rows)
     gate_up = torch_npu.npu_grouped_matmul([q], [w13.transpose(1, 2)],
                                            scale=[w13_scale],
                                            per_token_scale=[s],
@@ -115,18 +126,17 @@ def _moe_experts_w8a8_npu(
                                            split_item=2,
                                            group_type=0,
                                            group_list_type=0,
-                                           output_dtype=x.dtype)[0]
+                                           output_dtype=rows.dtype)[0]
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
     q2, s2 = torch_npu.npu_dynamic_quant(h)
-    y = torch_npu.npu_grouped_matmul([q2], [w2.transpose(1, 2)],
-                                     scale=[w2_scale],
-                                     per_token_scale=[s2],
-                                     group_list=group_ends,
-                                     split_item=2,
-                                     group_type=0,
-                                     group_list_type=0,
-                                     output_dtype=x.dtype)[0]
-    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+    return torch_npu.npu_grouped_matmul([q2], [w2.transpose(1, 2)],
+                                        scale=[w2_scale],
+                                        per_token_scale=[s2],
+                                        group_list=group_ends,
+                                        split_item=2,
+                                        group_type=0,
+                                        group_list_type=0,
+                                        output_dtype=rows.dtype)[0]
 
 
 moe_experts_w8a8 = (_moe_experts_w8a8_npu

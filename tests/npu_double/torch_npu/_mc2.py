@@ -1,0 +1,303 @@
+"""The MC2 kernels: ``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``.
+
+Checks written from op-plugin master 517f2e7,
+``docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md``
+and ``..._combine_v2.md``, for the SoC ``torch.npu.get_soc_version()``
+reports (A2 by default, ``VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION``), with the
+``""``/``fullmesh`` algorithm. What the double does not implement (int8
+dispatch, int4-packed x, shared-expert ranks, the special experts, the
+hierarchy algorithm) raises NotImplementedError.
+
+The exchange runs over the gloo group behind the HCCL communicator name
+(``get_hccl_comm_name``). Expert ``e`` lives on rank ``e // local_E``.
+``expand_x`` holds the rows this rank received, grouped by local expert
+(then source rank, token, slot); rows past them are NaN, as the kernel
+leaves them undefined. ``assist_info_for_combine`` and ``ep_recv_counts``
+are opaque to the caller: the double keeps its own layout in them.
+"""
+
+import os
+
+import torch
+from torch._C._distributed_c10d import AllgatherOptions
+
+from . import npu as _npu
+from ._hccl import group_of
+from ._ops import HALF, check
+from ._trace import traced
+
+A2_EP_SIZES = {2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256}
+
+
+def soc_is_a3() -> bool:
+    version = _npu.soc_version()
+    check(220 <= version <= 225 or 250 <= version <= 255, "MC2",
+          f"soc version {version} is neither Atlas A2 (220-225) nor A3 "
+          "(250-255)")
+    return version >= 250
+
+
+def _algorithm(op: str, comm_alg: str) -> None:
+    a3 = soc_is_a3()
+    allowed = ("", "fullmesh_v1") if a3 else ("", "fullmesh")
+    pcie_only = (os.environ.get("HCCL_INTRA_PCIE_ENABLE") == "1"
+                 and os.environ.get("HCCL_INTRA_ROCE_ENABLE") == "0")
+    if comm_alg not in allowed or (not a3 and comm_alg == "" and pcie_only):
+        raise NotImplementedError(
+            f"{op}: the double implements the fullmesh algorithm only "
+            f"(comm_alg {comm_alg!r})")
+
+
+def _common(op: str, expert_ids, group_ep, ep_world_size, ep_rank_id,
+            moe_expert_num, shared_expert_rank_num, tp_world_size,
+            special_experts: int, bs: int, hidden: int):
+    """The checks dispatch and combine share; the group and local_E."""
+    a3 = soc_is_a3()
+    check(isinstance(group_ep, str) and 1 <= len(group_ep) < 128, op,
+          "group_ep must be an HCCL communicator name of length [1, 128)")
+    group = group_of(group_ep, op)
+    if a3:
+        check(2 <= ep_world_size <= 768, op,
+              f"ep_world_size {ep_world_size} not in [2, 768]")
+    else:
+        check(ep_world_size in A2_EP_SIZES, op,
+              f"ep_world_size {ep_world_size} is not one of "
+              f"{sorted(A2_EP_SIZES)} (Atlas A2, fullmesh)")
+    check(group.size() == ep_world_size, op,
+          f"ep_world_size {ep_world_size} but group_ep has "
+          f"{group.size()} ranks")
+    check(0 <= ep_rank_id < ep_world_size and ep_rank_id == group.rank(),
+          op, f"ep_rank_id {ep_rank_id} is not this rank ({group.rank()}) "
+          "of group_ep")
+    if shared_expert_rank_num or special_experts:
+        raise NotImplementedError(f"{op}: the double implements no shared-"
+                                  "expert ranks and no special experts")
+    check(1 <= moe_expert_num <= 1024
+          and moe_expert_num % ep_world_size == 0, op,
+          f"moe_expert_num {moe_expert_num} must be in [1, 1024] and "
+          f"divisible by ep_world_size {ep_world_size}")
+    local = moe_expert_num // ep_world_size
+    if a3:
+        check(local * ep_world_size <= 2048, op,
+              "local_expert_num * ep_world_size must be <= 2048")
+    check(tp_world_size in (0, 1), op,
+          "TP-domain communication is not supported: tp_world_size 0 or 1")
+    check(expert_ids.dim() == 2 and expert_ids.dtype == torch.int32, op,
+          "expert_ids must be int32 [BS, K]")
+    top_k = expert_ids.shape[1]
+    check(0 < top_k <= min(16, moe_expert_num), op,
+          f"K {top_k} must be in (0, min(16, moe_expert_num)]")
+    max_bs = 512 if a3 else 256
+    check(0 < bs <= max_bs, op, f"BS {bs} must be in (0, {max_bs}]")
+    if a3:
+        check(1024 <= hidden <= 8192, op, f"H {hidden} must be in [1024, "
+              "8192] (Atlas A3)")
+    else:
+        check(0 < hidden <= 7168 and hidden % 32 == 0, op,
+              f"H {hidden} must be in (0, 7168] and a multiple of 32 "
+              "(Atlas A2, fullmesh)")
+    ids = expert_ids.long()
+    check(bool(((ids >= 0) & (ids < moe_expert_num)).all()), op,
+          f"expert_ids must lie in [0, moe_expert_num={moe_expert_num})")
+    sorted_ids = ids.sort(dim=1).values
+    check(bool((sorted_ids[:, 1:] != sorted_ids[:, :-1]).all()), op,
+          "the K expert ids of a row must differ")
+    return group, local
+
+
+def _all_gather_rows(group, t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[W, rows, ...]: every rank's ``t`` padded to ``rows``."""
+    padded = t.new_zeros((rows, ) + tuple(t.shape[1:]))
+    padded[:t.shape[0]] = t
+    out = padded.new_empty((group.size() * rows, ) + tuple(t.shape[1:]))
+    group._allgather_base(out, padded.contiguous(), AllgatherOptions()).wait()
+    return out.view((group.size(), ) + tuple(padded.shape))
+
+
+def _all_bs(group, bs: int) -> list[int]:
+    out = torch.empty(group.size(), dtype=torch.int64)
+    group._allgather_base(out, torch.tensor([bs]), AllgatherOptions()).wait()
+    return out.tolist()
+
+
+def _active_rows(op: str, x_active_mask, bs: int, bs_all: list[int]):
+    if x_active_mask is None:
+        return torch.ones(bs, dtype=torch.bool)
+    check(x_active_mask.dtype == torch.bool
+          and tuple(x_active_mask.shape) == (bs, ), op,
+          f"x_active_mask must be bool [BS={bs}] (the double implements "
+          "the 1-D form)")
+    ints = x_active_mask.int()
+    check(bool((ints[1:] <= ints[:-1]).all()), op,
+          "x_active_mask: true must come before false")
+    check(len(set(bs_all)) == 1 or bool(x_active_mask.all()), op,
+          "when BS differs between ranks every token must be active")
+    return x_active_mask
+
+
+def _rows_bound(op: str, global_bs: int, bs_all: list[int], world: int,
+                local: int, top_k: int) -> int:
+    """A: the rows expand_x holds."""
+    if global_bs == 0:
+        check(len(set(bs_all)) == 1, op,
+              f"BS differs between ranks {bs_all}: global_bs must be "
+              "max_bs * ep_world_size, not 0")
+        return bs_all[0] * world * min(local, top_k)
+    check(global_bs % world == 0 and global_bs // world >= max(bs_all), op,
+          f"global_bs {global_bs} must be max_bs * ep_world_size with "
+          f"max_bs >= every rank's BS {bs_all}")
+    return global_bs * min(local, top_k)
+
+
+@traced("torch_npu.npu_moe_distribute_dispatch_v2")
+def npu_moe_distribute_dispatch_v2(
+        x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+        *, scales=None, x_active_mask=None, expert_scales=None,
+        elastic_info=None, performance_info=None, group_tp="",
+        tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
+        shared_expert_num=1, shared_expert_rank_num=0, quant_mode=0,
+        global_bs=0, expert_token_nums_type=1, comm_alg="",
+        zero_expert_num=0, copy_expert_num=0, const_expert_num=0):
+    op = "npu_moe_distribute_dispatch_v2"
+    _npu.state.kernel_launched()
+    _algorithm(op, comm_alg)
+    check(x.dim() == 2 and x.dtype in HALF, op,
+          "x must be bfloat16/float16 [BS, H] (the double does not "
+          "implement int32-packed x)")
+    bs, hidden = x.shape
+    check(tuple(expert_ids.shape[:1]) == (bs, ), op,
+          f"expert_ids must have BS={bs} rows")
+    group, local = _common(op, expert_ids, group_ep, ep_world_size,
+                           ep_rank_id, moe_expert_num,
+                           shared_expert_rank_num, tp_world_size,
+                           zero_expert_num + copy_expert_num +
+                           const_expert_num, bs, hidden)
+    if quant_mode != 0 or scales is not None:
+        raise NotImplementedError(f"{op}: the double implements quant_mode "
+                                  "0 (no scales) only")
+    check(expert_token_nums_type in (0, 1), op,
+          "expert_token_nums_type must be 0 or 1")
+    a3 = soc_is_a3()
+    top_k = expert_ids.shape[1]
+    if expert_scales is not None:
+        check(not a3, op, "expert_scales is not supported on Atlas A3 "
+              "(fullmesh): leave it None")
+        check(expert_scales.dtype == torch.float32
+              and tuple(expert_scales.shape) == (bs, top_k), op,
+              f"expert_scales must be float32 [BS, K]=[{bs}, {top_k}]")
+    bs_all = _all_bs(group, bs)
+    active = _active_rows(op, x_active_mask, bs, bs_all)
+    rows = _rows_bound(op, global_bs, bs_all, ep_world_size, local, top_k)
+
+    max_bs = max(bs_all)
+    xs = _all_gather_rows(group, x.float(), max_bs)
+    ids = _all_gather_rows(group, expert_ids.long(), max_bs)
+    alive = _all_gather_rows(group, active.to(torch.uint8), max_bs).bool()
+    weights = _all_gather_rows(
+        group, (expert_scales if expert_scales is not None else
+                torch.full((bs, top_k), float("nan"))).float(), max_bs)
+    first = ep_rank_id * local
+    expand_x = torch.full((rows, hidden), float("nan"), dtype=x.dtype)
+    expand_scales = torch.full((rows, ), float("nan"))
+    # The double's combine info: (source rank, token, slot) per row.
+    assist = torch.zeros(rows * 128, dtype=torch.int32)
+    counts = torch.zeros(local, ep_world_size, dtype=torch.int64)
+    row = 0
+    for e in range(local):
+        for src in range(ep_world_size):
+            valid = alive[src, :bs_all[src]].unsqueeze(1)
+            tokens, slots = ((ids[src, :bs_all[src]] == first + e)
+                             & valid).nonzero(as_tuple=True)
+            n = tokens.numel()
+            check(row + n <= rows, op, f"more than A={rows} rows for this "
+                  "rank: global_bs is too small")
+            expand_x[row:row + n] = xs[src, tokens].to(x.dtype)
+            expand_scales[row:row + n] = weights[src, tokens, slots]
+            info = torch.stack([torch.full_like(tokens, src), tokens, slots],
+                               dim=1)
+            assist[3 * row:3 * (row + n)] = info.flatten().int()
+            counts[e, src] = n
+            row += n
+    per_expert = counts.sum(dim=1)
+    expert_token_nums = (per_expert.cumsum(0)
+                         if expert_token_nums_type == 0 else per_expert)
+    recv = counts.flatten().cumsum(0).int()
+    size = (ep_world_size * local if a3 else
+            moe_expert_num + 2 * (global_bs or bs * ep_world_size) * top_k)
+    ep_recv_counts = torch.zeros(size, dtype=torch.int32)
+    ep_recv_counts[:recv.numel()] = recv
+    tp_recv_counts = torch.zeros(1, dtype=torch.int32)
+    return (expand_x, torch.empty(0), assist, expert_token_nums,
+            ep_recv_counts, tp_recv_counts, None if a3 else expand_scales)
+
+
+@traced("torch_npu.npu_moe_distribute_combine_v2")
+def npu_moe_distribute_combine_v2(
+        expand_x, expert_ids, assist_info_for_combine, ep_send_counts,
+        expert_scales, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+        *, tp_send_counts=None, x_active_mask=None, expand_scales=None,
+        shared_expert_x=None, elastic_info=None, ori_x=None,
+        const_expert_alpha_1=None, const_expert_alpha_2=None,
+        const_expert_v=None, performance_info=None, group_tp="",
+        tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
+        shared_expert_num=1, shared_expert_rank_num=0, global_bs=0,
+        comm_quant_mode=0, comm_alg="", zero_expert_num=0,
+        copy_expert_num=0, const_expert_num=0):
+    """y[t] = sum_k expert_scales[t, k] * (the row expert ids[t, k]
+    computed for t), [BS, H] in expand_x's dtype."""
+    op = "npu_moe_distribute_combine_v2"
+    _npu.state.kernel_launched()
+    _algorithm(op, comm_alg)
+    check(expand_x.dim() == 2 and expand_x.dtype in HALF, op,
+          "expand_x must be bfloat16/float16 [A, H]")
+    rows, hidden = expand_x.shape
+    bs = expert_ids.shape[0]
+    group, local = _common(op, expert_ids, group_ep, ep_world_size,
+                           ep_rank_id, moe_expert_num,
+                           shared_expert_rank_num, tp_world_size,
+                           zero_expert_num + copy_expert_num +
+                           const_expert_num, bs, hidden)
+    top_k = expert_ids.shape[1]
+    a3 = soc_is_a3()
+    check(expert_scales is not None and expert_scales.dtype == torch.float32
+          and tuple(expert_scales.shape) == (bs, top_k), op,
+          f"expert_scales must be float32 [BS, K]=[{bs}, {top_k}]")
+    check(assist_info_for_combine.dtype == torch.int32
+          and tuple(assist_info_for_combine.shape) == (rows * 128, ), op,
+          f"assist_info_for_combine must be int32 [A * 128]={rows * 128}")
+    size = (ep_world_size * local if a3 else
+            moe_expert_num + 2 * (global_bs or bs * ep_world_size) * top_k)
+    check(ep_send_counts.dtype == torch.int32
+          and tuple(ep_send_counts.shape) == (size, ), op,
+          f"ep_send_counts must be int32 [{size}] (dispatch's "
+          "ep_recv_counts)")
+    if a3:
+        check(expand_scales is None, op, "expand_scales is not supported on "
+              "Atlas A3 (fullmesh): leave it None")
+    else:
+        check(expand_scales is not None
+              and expand_scales.dtype == torch.float32
+              and tuple(expand_scales.shape) == (rows, ), op,
+              f"expand_scales is required on Atlas A2: float32 [A={rows}] "
+              "(dispatch's output)")
+    if shared_expert_x is not None or ori_x is not None:
+        raise NotImplementedError(f"{op}: the double implements neither "
+                                  "shared_expert_x nor ori_x")
+    bs_all = _all_bs(group, bs)
+    _active_rows(op, x_active_mask, bs, bs_all)
+    check(rows == _rows_bound(op, global_bs, bs_all, ep_world_size, local,
+                              top_k), op,
+          "expand_x rows differ from the dispatch's A for these arguments")
+    valid = int(ep_send_counts[local * ep_world_size - 1])
+    results = _all_gather_rows(group, expand_x[:valid].float(), rows)
+    infos = _all_gather_rows(group, assist_info_for_combine[:3 * valid]
+                             .view(-1, 3), rows)
+    valids = _all_bs(group, valid)
+    out = torch.zeros(bs, hidden, dtype=torch.float32)
+    for src in range(ep_world_size):
+        info = infos[src, :valids[src]].long()
+        mine = info[:, 0] == ep_rank_id
+        tokens, slots = info[mine, 1], info[mine, 2]
+        out.index_add_(0, tokens, results[src, :valids[src]][mine]
+                       * expert_scales[tokens, slots].unsqueeze(1))
+    return out.to(expand_x.dtype)
