@@ -197,6 +197,16 @@ def check_parallel_layout(vllm_config: "VllmConfig") -> None:
     """A GLM-4.5 that the parallel layout cannot split fails at startup in
     one line (vLLM checks the attention heads itself; the rest would fail
     in a worker, with an assertion deep in a layer)."""
+    passes = getattr(vllm_config.compilation_config, "pass_config", None)
+    if getattr(passes, "enable_sequence_parallelism", False):
+        # Silently ignored otherwise (vllm_ascend compiles without
+        # inductor), while capture sizes would still follow it; and a
+        # sequence-parallel draft would reduce-scatter its embedding but
+        # not its hidden states.
+        raise ValueError(
+            "sequence parallelism (--compilation-config pass_config "
+            "enable_sequence_parallelism or enable_async_tp) is an inductor "
+            "pass that vllm_ascend does not run: remove it.")
     model_config = vllm_config.model_config
     if model_config is None:
         return

@@ -40,10 +40,14 @@ class _Refused(Exception):
 
 
 def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
-            methods: list[str], queue, rows: list[int] | None = None) -> None:
+            methods: list[str], queue, rows: list[int] | None = None,
+            sequence_parallel: bool = False) -> None:
     """Each method in turn, in one distributed session. ``rows``: what
     each DP rank runs, when it differs from ``counts``, the counts its
-    forward context synced (a dispatch that must fail)."""
+    forward context synced (a dispatch that must fail). With
+    ``sequence_parallel`` each TP rank holds its chunk of its DP rank's
+    tokens (as a sequence-parallel MoE layer does) and no TP all-reduce
+    follows."""
     from vllm.config import (ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import (get_ep_group,
@@ -88,6 +92,12 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
 
             x, logits = _tokens(dp_rank, (rows or counts)[dp_rank])
             want = moe_experts_ref(x, w13, w2, *_route(logits))
+            if sequence_parallel:
+                layer.is_sequence_parallel = True
+                chunk = -(-x.shape[0] // tp)
+                mine_rows = slice((rank % tp) * chunk, (rank % tp + 1) * chunk)
+                x, logits, want = (x[mine_rows], logits[mine_rows],
+                                   want[mine_rows])
             for method in methods:
                 os.environ[MOE_COMM_ENV] = method
                 moe_comm.configure(config)
@@ -101,14 +111,15 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
                         chosen = moe_comm.current(x.shape[0])
                         assert chosen.name == method, chosen.name
                         try:
-                            hidden, router_logits = ep.dispatch(x, logits)
+                            hidden, router_logits = ep.dispatch(
+                                x, logits, sequence_parallel)
                         except RuntimeError as e:
                             raise _Refused(str(e)) from e
                         weights, ids = _route(router_logits)
                         y = chosen.experts(layer, hidden, weights, ids,
                                            expert_map, compute, False)
-                        y = ep.combine(y)
-                        if tp > 1:
+                        y = ep.combine(y, sequence_parallel)
+                        if tp > 1 and not sequence_parallel:
                             y = tensor_model_parallel_all_reduce(y)
                     torch.testing.assert_close(y, want, rtol=1e-5,
                                                atol=1e-5)
@@ -127,7 +138,8 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
 
 
 def _run(dp: int, tp: int, counts: list[int], methods: list[str],
-         rows: list[int] | None = None) -> dict:
+         rows: list[int] | None = None,
+         sequence_parallel: bool = False) -> dict:
     from vllm.utils import get_open_port
     # Spawned: a fork of a test process whose torch threads have run may
     # hang in them.
@@ -136,7 +148,8 @@ def _run(dp: int, tp: int, counts: list[int], methods: list[str],
     port = get_open_port()
     procs = [
         ctx.Process(target=_worker,
-                    args=(rank, port, dp, tp, counts, methods, queue, rows))
+                    args=(rank, port, dp, tp, counts, methods, queue, rows,
+                          sequence_parallel))
         for rank in range(dp * tp)
     ]
     for proc in procs:
@@ -156,6 +169,17 @@ def test_methods_give_single_process_output():
     dp, tp = 2, 2
     results = _run(dp, tp, [1, 6], list(METHODS))
     assert results == {rank: dict.fromkeys(METHODS)
+                       for rank in range(dp * tp)}, results
+
+
+def test_exchanging_methods_under_sequence_parallel_moe():
+    """A sequence-parallel MoE layer (vLLM's DeepSeek-V2 under DP x TP with
+    EP; not GLM-4.5): each TP rank sends all of its own tokens; sending a
+    share of them would lose the rest, as no TP all-reduce follows."""
+    dp, tp = 2, 2
+    methods = ["mc2", "alltoall"]
+    results = _run(dp, tp, [2, 6], methods, sequence_parallel=True)
+    assert results == {rank: dict.fromkeys(methods)
                        for rank in range(dp * tp)}, results
 
 

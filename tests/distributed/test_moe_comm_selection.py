@@ -110,6 +110,20 @@ def test_parallel_layout(config, message):
             checks.check_parallel_layout(config)
 
 
+def test_sequence_parallelism_refused():
+    """Root cause of the all-gather EP + MTP shape errors: with sequence
+    parallelism the draft's embedding is reduce-scattered to N/TP rows
+    while its hidden states stay N. vllm_ascend runs no such pass: asking
+    for it fails at startup instead of being ignored."""
+    config = _config(tp=2)
+    config.compilation_config.pass_config = SimpleNamespace(
+        enable_sequence_parallelism=True)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        checks.check_parallel_layout(config)
+    config.compilation_config.pass_config.enable_sequence_parallelism = False
+    checks.check_parallel_layout(config)
+
+
 def _kernel_config(dp=2, tp=8, experts=160, top_k=8, hidden=5120,
                    eplb=False, placement="linear"):
     """GLM-4.5's MoE by default, as the report serves it (DP 2 x TP 8)."""

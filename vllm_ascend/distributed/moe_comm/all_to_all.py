@@ -34,7 +34,7 @@ class AllToAllMoEComm(MoECommMethod):
                 grouped: Optional[GroupedFn] = None) -> torch.Tensor:
         ep = get_ep_group()
         group = ep.device_group
-        share = tp_share(x.shape[0])
+        share = tp_share(x.shape[0], layer)
         weights, ids = topk_weights[share], topk_ids[share]
         owner = owner_table(layer, expert_map)[ids.flatten().long()]
         order = torch.argsort(owner, stable=True)

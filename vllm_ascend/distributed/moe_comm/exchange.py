@@ -9,11 +9,14 @@ from vllm.distributed import get_ep_group, get_tp_group
 from vllm.model_executor.layers.fused_moe.layer import determine_expert_map
 
 
-def tp_share(num_tokens: int) -> slice:
+def tp_share(num_tokens: int, layer: torch.nn.Module) -> slice:
     """The tokens this TP rank sends. TP ranks of one DP rank hold the same
     tokens; each sends its share once, returns zeros for the others, and
     the TP all-reduce after the MoE layer (the model's, or FusedMoE's
-    reduce_results) puts the shares together."""
+    reduce_results) puts the shares together. A sequence-parallel layer's
+    TP ranks hold different tokens already: each sends all of its own."""
+    if getattr(layer, "is_sequence_parallel", False):
+        return slice(0, num_tokens)
     tp = get_tp_group()
     per_rank = -(-num_tokens // tp.world_size)
     start = min(tp.rank_in_group * per_rank, num_tokens)

@@ -45,14 +45,14 @@ class MC2MoEComm(MoECommMethod):
                 f"its capacity {self.capacity}; raise "
                 "VLLM_ASCEND_MC2_CAPACITY or use VLLM_ASCEND_MOE_COMM="
                 "allgather.")
+        share = tp_share(x.shape[0], layer)
         if (self.kernels is not None and grouped is not None
                 and not apply_router_weight_on_input):
-            return self.kernels.experts(x, topk_weights, topk_ids,
+            return self.kernels.experts(x, share, topk_weights, topk_ids,
                                         expert_map.shape[0], grouped)
         ep = get_ep_group()
         group = ep.device_group
         ranks = ep.world_size
-        share = tp_share(x.shape[0])
         weights, ids = topk_weights[share], topk_ids[share]
         top_k = ids.shape[1]
         per_rank = self.capacity * top_k

@@ -23,7 +23,6 @@ from vllm.logger import init_logger
 
 from vllm_ascend import device
 from vllm_ascend.distributed.moe_comm.base import GroupedFn
-from vllm_ascend.distributed.moe_comm.exchange import tp_share
 from vllm_ascend.ops._backend import use_npu
 
 logger = init_logger(__name__)
@@ -105,12 +104,13 @@ class FusedMC2Kernels:
             self._comm_name = backend.get_hccl_comm_name(dist.get_rank())
         return self._comm_name
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, num_experts: int,
-                grouped: GroupedFn) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, share: slice,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                num_experts: int, grouped: GroupedFn) -> torch.Tensor:
+        """``x``'s rows ``share`` through the experts (``exchange.
+        tp_share``); zeros elsewhere."""
         import torch_npu
         ep = get_ep_group()
-        share = tp_share(x.shape[0])
         # The kernels take no empty batch: a TP rank without a share sends
         # its DP rank's first token and drops the result.
         send = share if share.stop > share.start else slice(0, 1)
