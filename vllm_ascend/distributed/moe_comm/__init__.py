@@ -20,10 +20,10 @@ from vllm.config import CUDAGraphMode
 from vllm import forward_context
 from vllm.logger import init_logger
 
+from vllm_ascend.distributed.moe_comm import mc2_kernels
 from vllm_ascend.distributed.moe_comm.all_gather import AllGatherMoEComm
 from vllm_ascend.distributed.moe_comm.all_to_all import AllToAllMoEComm
 from vllm_ascend.distributed.moe_comm.base import ExpertsFn, MoECommMethod
-from vllm_ascend.distributed.moe_comm import mc2_kernels
 from vllm_ascend.distributed.moe_comm.mc2 import MC2MoEComm
 
 logger = init_logger(__name__)

@@ -64,8 +64,6 @@ def unsupported_reason(vllm_config, capacity: int,
     if not 1 <= experts <= 1024 or experts % ep_size:
         return (f"{experts} routed experts: the kernels take 1-1024, "
                 f"divisible by the EP size {ep_size}")
-    if family == "A3" and experts > 2048:
-        return f"{experts} routed experts exceed 2048 on Atlas A3"
     if not 0 < top_k <= min(16, experts):
         return f"top-k {top_k} is outside (0, 16]"
     if family == "A2" and (hidden > 7168 or hidden % 32):
