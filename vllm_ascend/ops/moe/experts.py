@@ -116,17 +116,22 @@ def grouped_mlp_npu(rows: torch.Tensor, group_ends: torch.Tensor,
     through their experts' SwiGLU MLP; rows past the last group are left
     undefined, as npu_grouped_matmul leaves them."""
     import torch_npu
-    gate_up = torch_npu.npu_grouped_matmul([rows], [w13.transpose(1, 2)],
-                                           group_list=group_ends,
-                                           split_item=2,
-                                           group_type=0,
-                                           group_list_type=0)[0]
+    gate_up = grouped_matmul_npu(rows, w13, group_ends)
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
-    return torch_npu.npu_grouped_matmul([h], [w2.transpose(1, 2)],
+    return grouped_matmul_npu(h, w2, group_ends)
+
+
+def grouped_matmul_npu(rows: torch.Tensor, w: torch.Tensor,
+                       group_ends: torch.Tensor, **quant) -> torch.Tensor:
+    """One npu_grouped_matmul of grouped rows with per-expert weights
+    ``w`` [E, N, K]; ``quant``: its scale arguments for int8 rows."""
+    import torch_npu
+    return torch_npu.npu_grouped_matmul([rows], [w.transpose(1, 2)],
                                         group_list=group_ends,
                                         split_item=2,
                                         group_type=0,
-                                        group_list_type=0)[0]
+                                        group_list_type=0,
+                                        **quant)[0]
 
 
 def _npu_permute(

@@ -22,7 +22,7 @@ from vllm_ascend.compilation.graph_emulator import kernel
 from vllm_ascend.ops import quant
 from vllm_ascend.ops._backend import use_npu
 from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
-                                         _npu_unpermute)
+                                         _npu_unpermute, grouped_matmul_npu)
 
 
 def expert_scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,24 +119,12 @@ def grouped_mlp_w8a8_npu(rows: torch.Tensor, group_ends: torch.Tensor,
     activations, output in the rows' dtype."""
     import torch_npu
     q, s = torch_npu.npu_dynamic_quant(rows)
-    gate_up = torch_npu.npu_grouped_matmul([q], [w13.transpose(1, 2)],
-                                           scale=[w13_scale],
-                                           per_token_scale=[s],
-                                           group_list=group_ends,
-                                           split_item=2,
-                                           group_type=0,
-                                           group_list_type=0,
-                                           output_dtype=rows.dtype)[0]
+    gate_up = grouped_matmul_npu(q, w13, group_ends, scale=[w13_scale],
+                                 per_token_scale=[s], output_dtype=rows.dtype)
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
     q2, s2 = torch_npu.npu_dynamic_quant(h)
-    return torch_npu.npu_grouped_matmul([q2], [w2.transpose(1, 2)],
-                                        scale=[w2_scale],
-                                        per_token_scale=[s2],
-                                        group_list=group_ends,
-                                        split_item=2,
-                                        group_type=0,
-                                        group_list_type=0,
-                                        output_dtype=rows.dtype)[0]
+    return grouped_matmul_npu(q2, w2, group_ends, scale=[w2_scale],
+                              per_token_scale=[s2], output_dtype=rows.dtype)
 
 
 moe_experts_w8a8 = (_moe_experts_w8a8_npu
