@@ -125,36 +125,77 @@ def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
                        for key in graphs["replayed"]), graphs
 
 
-@pytest.mark.parametrize("tp,k", [(1, 1), (2, 2)], ids=["dp2-k1",
-                                                          "dp2xtp2-k2"])
-def test_dp2_ep_mtp_equals_reference(setup, tmp_path, tp, k):
-    """DP=2 (also x TP=2: 4 processes) with expert parallelism and MTP: the
-    MoE layers run MC2 through the fused dispatch/combine kernels over
-    hccl, each TP rank sending its share of the tokens (a TP rank without
-    one sends a token whose result it drops: the kernels take no empty
-    batch). The ranks sum expert outputs in another order than one rank
-    does, so the comparison with the one-rank reference stops at the first
-    near-tie."""
+# Where each MoE communication method's exchange reaches the NPU (the
+# double's trace: plugin call site and op or HCCL collective).
+METHOD_SITES = {
+    "mc2": [("moe_comm/mc2_kernels.py:",
+             "torch_npu.npu_moe_distribute_dispatch_v2"),
+            ("moe_comm/mc2_kernels.py:",
+             "torch_npu.npu_moe_distribute_combine_v2")],
+    "alltoall": [("moe_comm/all_to_all.py:", "hccl.alltoall_base")],
+    "allgather": [("moe_comm/all_gather.py:", "hccl.broadcast")],
+}
+
+
+def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
+    lines = trace.splitlines()
+    return all(any(f in line and line.endswith(":" + op) for line in lines)
+               for f, op in sites)
+
+
+@pytest.mark.parametrize("tp,k,ep,method,per_rank", [
+    (1, 1, True, None, [[0, 1, 2], [3]]),
+    (2, 2, True, None, [[0, 1, 2], [3]]),
+    (1, 2, True, "allgather", [[0, 4], [1, 2, 3]]),
+    (1, 1, True, "alltoall", [[3], [0, 1, 2]]),
+    (1, 2, False, None, [[1], [0, 2, 3]]),
+    (2, 1, False, None, [[0, 1, 2, 3]]),
+], ids=["dp2-ep-k1", "dp2xtp2-ep-k2", "dp2-ep-allgather-k2",
+        "dp2-ep-alltoall-k1-eager", "dp2-k2", "tp2-k1"])
+def test_parallel_mtp_equals_reference(setup, tmp_path, tp, k, ep, method,
+                                       per_rank):
+    """DP=2 (also x TP=2: 4 processes) and TP=2 alone, with MTP, each MoE
+    communication method over hccl. With expert parallelism MC2 is the
+    default: the fused dispatch/combine kernels, each TP rank sending its
+    share of the tokens (a TP rank without one sends a token whose result
+    it drops: the kernels take no empty batch). All-to-all reads its
+    counts on the host, so it runs eager. The ranks sum expert outputs in
+    another order than one rank does, so the comparison with the one-rank
+    reference stops at the first near-tie."""
     engine, prompts, sampling, reference = setup
-    engine = dict(engine, enable_expert_parallel=True,
+    engine = dict(engine, enable_expert_parallel=ep,
                   tensor_parallel_size=tp,
+                  enforce_eager=method == "alltoall",
                   speculative_config=dict(method="glm4_moe_mtp",
                                           num_speculative_tokens=k))
-    per_rank = [[0, 1, 2], [3]]
-    trace = tmp_path / "trace.txt"
+    env = {**NPU_ENV, TRACE_ENV: str(tmp_path / "trace.txt")}
+    if method:
+        env["VLLM_ASCEND_MOE_COMM"] = method
     outs = run_dp_engine(engine, [[prompts[i] for i in r] for r in per_rank],
-                         [sampling] * 2,
-                         env={**NPU_ENV, TRACE_ENV: str(trace)},
+                         [sampling] * len(per_rank), env=env,
                          timeout=240 * tp)
     for indices, out in zip(per_rank, outs):
         assert_equal_up_to_near_tie(
             out["outputs"], [reference["outputs"][i] for i in indices],
             [reference["logprobs"][i] for i in indices])
         assert out["metrics"]["vllm:spec_decode_num_drafts"] > 0
-    reached = trace.read_text() if trace.exists() else ""
-    if not REAL_NPU:
-        assert "npu_moe_distribute_dispatch_v2" in reached
-        assert "npu_moe_distribute_combine_v2" in reached
-        # The session's record of NPU call sites (test_npu_call_sites).
-        with open(trace_path(), "a") as f:
-            f.write(reached)
+    if REAL_NPU:
+        return
+    trace = (tmp_path / "trace.txt").read_text()
+    if tp > 1:
+        assert "hccl.allreduce" in trace
+    # The methods that exchanged tokens: the forced one only; by default
+    # with EP, MC2 (and all-gather for batches above its capacity); without
+    # EP, all-gather across DP ranks; with one DP rank, none.
+    if method:
+        required = allowed = {method}
+    elif ep:
+        required, allowed = {"mc2"}, {"mc2", "allgather"}
+    else:
+        required = allowed = {"allgather"} if len(per_rank) > 1 else set()
+    reached = {name for name, sites in METHOD_SITES.items()
+               if _reached(trace, sites)}
+    assert required <= reached <= allowed, reached
+    # The session's record of NPU call sites (test_npu_call_sites).
+    with open(trace_path(), "a") as f:
+        f.write(trace)

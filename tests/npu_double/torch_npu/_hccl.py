@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from vllm_ascend.compilation.graph_emulator import kernel
 
+from ._trace import record
+
 # HCCLUtils.cpp, kScalarTypeToHcclDataType.
 MAPPED = {
     torch.uint8, torch.bool, torch.int8, torch.int16, torch.int32,
@@ -97,12 +99,18 @@ def _reduce_op(op, t: torch.Tensor) -> None:
 
 
 @kernel
-def _launch(collective, *args):
-    """One collective on the gloo backend, waited for before the next
-    kernel as on a device stream; the caller's wait returns at once."""
+def _run(collective, *args):
     work = collective(*args)
     work.wait()
     return work
+
+
+def _launch(collective, *args):
+    """One collective on the gloo backend, waited for before the next
+    kernel as on a device stream; the caller's wait returns at once. The
+    trace records it as ``hccl.<collective>`` at its plugin call site."""
+    record(f"hccl.{collective.__name__}")
+    return _run(collective, *args)
 
 
 class HcclContractGroup(dist.ProcessGroup):
@@ -216,8 +224,8 @@ class HcclContractGroup(dist.ProcessGroup):
                        "Number of tensor splits not equal to group size")
                 _check(sum(splits) == t.shape[0],
                        "Split sizes doesn't match total dim 0 size")
-        return _launch(self._gloo.alltoall_base, output, input, output_split_sizes,
-                                     input_split_sizes, opts)
+        return _launch(self._gloo.alltoall_base, output, input,
+                       output_split_sizes, input_split_sizes, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         _check(len(outputs) == self.size(),

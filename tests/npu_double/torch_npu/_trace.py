@@ -14,7 +14,9 @@ _PLUGIN_DIR = str(Path(__file__).resolve().parents[3] / "vllm_ascend")
 _seen: set[str] = set()
 
 
-def _record(name: str) -> None:
+def record(name: str) -> None:
+    """Note the plugin line (the innermost on the stack) that led to a call
+    of ``name``."""
     path = os.environ.get(TRACE_ENV)
     if not path:
         return
@@ -46,7 +48,7 @@ def traced(name: str):
 
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            _record(name)
+            record(name)
             return launch(*args, **kwargs)
 
         return torch.compiler.allow_in_graph(inner)

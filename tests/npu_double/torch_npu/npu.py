@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import psutil
 import torch
 
-from ._trace import _record, traced
+from ._trace import record, traced
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -200,7 +200,7 @@ class Stream:
     """torch_npu.npu.Stream(device=None, priority=0)."""
 
     def __init__(self, device=None, priority: int = 0, **kwargs: Any):
-        _record("torch.npu.Stream")
+        record("torch.npu.Stream")
         if kwargs:
             raise TypeError(f"Stream() got unexpected arguments "
                             f"{sorted(kwargs)}")
@@ -233,7 +233,7 @@ class Event:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, **kwargs: Any):
-        _record("torch.npu.Event")
+        record("torch.npu.Event")
         if kwargs:
             raise TypeError(f"Event() got unexpected arguments "
                             f"{sorted(kwargs)}")

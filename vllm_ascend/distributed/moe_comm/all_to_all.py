@@ -49,7 +49,10 @@ class AllToAllMoEComm(MoECommMethod):
         ones = torch.ones((recv_x.shape[0], 1),
                           dtype=topk_weights.dtype,
                           device=x.device)
-        results = compute(recv_x, ones, recv_ids.unsqueeze(1), expert_map)
+        # The NPU's expert kernels take no empty batch: a rank that receives
+        # no pair has nothing to compute.
+        results = (compute(recv_x, ones, recv_ids.unsqueeze(1), expert_map)
+                   if recv_x.shape[0] else recv_x)
         back = _exchange(results, send, recv, group)
         pair_results = torch.empty_like(back)
         pair_results[order] = back
