@@ -1,14 +1,16 @@
 """``vllm serve`` with the original command's parallel flags scaled to this
 host: ``--data-parallel-size 2 --tensor-parallel-size 2
---enable-expert-parallel`` (four engine processes on gloo) with MTP k = 1,
-in the default graph mode and MoE communication method. Its greedy answers
-and the acceptance it reports (summed over the DP engines) are the
+--enable-expert-parallel`` (four engine processes on gloo) with MTP k = 1
+and 2, in the default graph mode and MoE communication method. Its greedy
+answers and the acceptance it reports (summed over the DP engines) are the
 single-process engine's with MTP (whose tokens equal those without MTP:
 tests/e2e/test_mtp_lossless.py)."""
 
+import json
 from pathlib import Path
 
 import httpx
+import pytest
 from demo_serve import ServeProcess, free_port
 
 from tests.e2e.engine import run_engine
@@ -23,12 +25,12 @@ COUNTERS = ("vllm:spec_decode_num_drafts",
 STARTUP_TIMEOUT = 400
 
 
-def _offline(prompts: list[list[int]]) -> dict:
+def _offline(prompts: list[list[int]], k: int) -> dict:
     engine = dict(model=str(FIXTURE), skip_tokenizer_init=True,
                   dtype="float32", max_model_len=256, seed=0,
                   kv_cache_memory_bytes=64 << 20,
                   speculative_config=dict(method="glm4_moe_mtp",
-                                          num_speculative_tokens=1))
+                                          num_speculative_tokens=k))
     return run_engine(engine, prompts,
                       dict(temperature=0, max_tokens=MAX_TOKENS,
                            ignore_eos=True),
@@ -40,7 +42,8 @@ def _counter(metrics: str, name: str) -> float:
                if line.startswith(f"{name}_total"))
 
 
-def test_dp2_tp2_ep_mtp_server_equals_single_process():
+@pytest.mark.parametrize("k", [1, 2])
+def test_dp2_tp2_ep_mtp_server_equals_single_process(k):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -54,7 +57,7 @@ def test_dp2_tp2_ep_mtp_server_equals_single_process():
         "--no-enable-prefix-caching", "--data-parallel-size", "2",
         "--tensor-parallel-size", "2", "--enable-expert-parallel",
         "--speculative-config",
-        '{"method": "glm4_moe_mtp", "num_speculative_tokens": 1}'
+        json.dumps({"method": "glm4_moe_mtp", "num_speculative_tokens": k})
     ], port, env={"VLLM_ASCEND_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
                   "VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
@@ -71,7 +74,7 @@ def test_dp2_tp2_ep_mtp_server_equals_single_process():
     for answer in answers:
         assert answer.status_code == 200, answer.text
     texts = [a.json()["choices"][0]["text"] for a in answers]
-    with_mtp = _offline(prompts)
+    with_mtp = _offline(prompts, k)
     assert texts == [tokenizer.decode(o, skip_special_tokens=True)
                      for o in with_mtp["outputs"]]
     for name in COUNTERS:
