@@ -154,8 +154,8 @@ def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
         "dp2-ep-alltoall-k1-eager", "dp2-k2", "tp2-k1"])
 def test_parallel_mtp_equals_reference(setup, tmp_path, tp, k, ep, method,
                                        per_rank):
-    """DP=2 (also x TP=2: 4 processes) and TP=2 alone, with MTP, each MoE
-    communication method over hccl. With expert parallelism MC2 is the
+    """DP=2 (also x TP=2: 4 processes) and TP=2 alone, with MTP, with and
+    without expert parallelism, each MoE communication method over hccl. With expert parallelism MC2 is the
     default: the fused dispatch/combine kernels, each TP rank sending its
     share of the tokens (a TP rank without one sends a token whose result
     it drops: the kernels take no empty batch). All-to-all reads its
