@@ -117,18 +117,19 @@ def test_dp2_tp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel):
     tokens from the wrong rank and summed the TP partials twice (patch
     0011), and graph replays read TP all-reduces before gloo finished them.
     With expert parallelism each TP rank sends its share of the tokens
-    (MC2). ``vllm serve`` runs it with EP at k = 1 and 2
+    (MC2). ``vllm serve`` runs it with EP at k = 1
     (tests/server/test_parallel_server.py)."""
     per_rank = [[0, 3], [2]]
     outs = _run(per_rank, k, expert_parallel, tp=2)
     _check(outs, per_rank, baseline, k)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+@pytest.mark.parametrize("method,k", [("allgather", 2), ("alltoall", 1),
+                                      ("alltoall", 2)])
 def test_dp2_ep_moe_methods_equal_dp1(baseline, method, k):
     """Each MoE communication method forced (MC2, the default with EP, runs
-    in the tests above): DP=1 outputs, and each rank's acceptance is that
+    in the tests above; all-gather, the default without EP, at k = 1 and 2
+    too): DP=1 outputs, and each rank's acceptance is that
     of one process serving its requests. All-to-all reads its counts on the host, so
     it runs eager."""
     per_rank = [[0, 2, 4], [1, 3, 5]]
