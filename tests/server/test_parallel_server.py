@@ -1,7 +1,7 @@
 """``vllm serve`` with the original command's parallel flags scaled to this
 host: ``--data-parallel-size 2 --tensor-parallel-size 2
---enable-expert-parallel`` (four engine processes on gloo) with MTP k = 1
-in the default graph mode and MoE communication method (k = 2 runs
+--enable-expert-parallel`` (four engine processes on gloo) with MTP k = 2
+in the default graph mode and MoE communication method (k = 1 runs
 offline: tests/e2e/test_data_parallel.py). Its greedy answers and the
 acceptance it reports (summed over the DP engines) are the single-process
 engine's with MTP (whose tokens equal those without MTP:
@@ -43,7 +43,7 @@ def _counter(metrics: str, name: str) -> float:
                if line.startswith(f"{name}_total"))
 
 
-@pytest.mark.parametrize("k", [1])
+@pytest.mark.parametrize("k", [2])
 def test_dp2_tp2_ep_mtp_server_equals_single_process(k):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE)
