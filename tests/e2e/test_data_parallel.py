@@ -9,14 +9,13 @@ a rank whose request reaches max_model_len skips its draft while the other
 drafts. Each case once hung or decoded another request's tokens.
 """
 
-import functools
 import random
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.dp_engine import run_dp_engine
-from tests.e2e.engine import run_engine
+from tests.e2e.engine import run_engines
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
 MAX_MODEL_LEN = 64
@@ -36,11 +35,46 @@ def _sampling(indices: list[int]) -> list[dict]:
             for i in indices]
 
 
+ACCEPTANCE = ("vllm:spec_decode_num_drafts",
+              "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens")
+
+ALL = tuple(range(len(PROMPTS)))
+# Uneven: rank 1 idles while rank 0 decodes. The tests below share these
+# requests (and so the single-process references of their acceptance).
+DP_TP_PER_RANK = [[0, 3], [2]]
+# The (k, requests) of each rank's single-process MTP reference below.
+MTP_REFERENCES = [(1, (0, 3)), (1, (2,)), (2, (0, 3)), (2, (2,)), (2, (4,)),
+                  (1, ALL), (2, ALL)]
+
+
+def _job(indices: tuple[int, ...], k: int = 0) -> dict:
+    engine = dict(ENGINE)
+    if k:
+        engine["speculative_config"] = dict(method="glm4_moe_mtp",
+                                            num_speculative_tokens=k)
+    return dict(engine=engine, prompts=[PROMPTS[i] for i in indices],
+                sampling=_sampling(list(indices)))
+
+
 @pytest.fixture(scope="module")
-def baseline() -> list[list[int]]:
+def references() -> dict:
+    """One process each, two at a time: ``"baseline"`` (all requests, no
+    MTP) and, per ``(k, requests)`` of MTP_REFERENCES, the outputs and
+    spec-decode counters with MTP k."""
+    jobs = {"baseline": _job(ALL),
+            **{key: _job(key[1], key[0]) for key in MTP_REFERENCES}}
+    results = run_engines(jobs)
+    for result in results.values():
+        if isinstance(result, AssertionError):
+            raise result
+    return results
+
+
+@pytest.fixture(scope="module")
+def baseline(references) -> list[list[int]]:
     """DP=1, no MTP."""
-    return run_engine(ENGINE, PROMPTS, _sampling(list(range(len(PROMPTS)))),
-                      env={"OMP_NUM_THREADS": "1"})["outputs"]
+    return references["baseline"]["outputs"]
 
 
 def _run(per_rank: list[list[int]], k: int, expert_parallel: bool,
@@ -56,23 +90,8 @@ def _run(per_rank: list[list[int]], k: int, expert_parallel: bool,
         timeout=150 * tp)
 
 
-ACCEPTANCE = ("vllm:spec_decode_num_drafts",
-              "vllm:spec_decode_num_draft_tokens",
-              "vllm:spec_decode_num_accepted_tokens")
-
-
-@functools.cache
-def mtp_reference(k: int, indices: tuple[int, ...]) -> dict:
-    """One process with MTP k on the prompts ``indices`` (run once):
-    outputs and spec-decode counters."""
-    engine = dict(ENGINE, speculative_config=dict(method="glm4_moe_mtp",
-                                                  num_speculative_tokens=k))
-    return run_engine(engine, [PROMPTS[i] for i in indices],
-                      _sampling(list(indices)), env={"OMP_NUM_THREADS": "1"})
-
-
-def _check_acceptance(outs: list[dict], per_rank: list[list[int]],
-                      k: int) -> None:
+def _check_acceptance(references: dict, outs: list[dict],
+                      per_rank: list[list[int]], k: int) -> None:
     """Each rank's spec-decode counters are those of one process serving
     the same requests. (Not those of one process serving all of them: the
     batch sizes differ, and with them the float rounding of the draft's
@@ -81,7 +100,7 @@ def _check_acceptance(outs: list[dict], per_rank: list[list[int]],
     for rank, (out, indices) in enumerate(zip(outs, per_rank)):
         if not indices:
             continue  # An idle rank drafts nothing: _check.
-        expected = mtp_reference(k, tuple(indices))["metrics"]
+        expected = references[(k, tuple(indices))]["metrics"]
         for name in ACCEPTANCE:
             assert out["metrics"][name] == expected[name], (rank, name)
 
@@ -99,26 +118,24 @@ def _check(outs, per_rank, baseline, k):
             assert drafts == 0, (rank, out["metrics"])
 
 
-# Uneven: rank 1 idles while rank 0 decodes. The tests below share these
-# requests (and so the single-process references of their acceptance).
-DP_TP_PER_RANK = [[0, 3], [2]]
-
 
 @pytest.mark.parametrize("k,expert_parallel,per_rank", [
     (2, True, [[2], [0, 3]]),
     (1, True, [[0, 3], []]),
     (2, False, [[4], [0, 3]]),
 ], ids=["k2-ep-uneven", "k1-ep-idle-rank", "k2-tp-max-model-len"])
-def test_dp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel, per_rank):
+def test_dp2_mtp_outputs_equal_dp1(references, baseline, k, expert_parallel,
+                                   per_rank):
     outs = _run(per_rank, k, expert_parallel)
     _check(outs, per_rank, baseline, k)
-    _check_acceptance(outs, per_rank, k)
+    _check_acceptance(references, outs, per_rank, k)
 
 
 @pytest.mark.parametrize("k,expert_parallel", [(1, False), (2, False),
                                                (1, True)],
                          ids=["k1", "k2", "k1-ep"])
-def test_dp2_tp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel):
+def test_dp2_tp2_mtp_outputs_equal_dp1(references, baseline, k,
+                                       expert_parallel):
     """DP 2 x TP 2 (4 processes) in the default graph mode. Without expert
     parallelism (the all-gather MoE method) it once answered every prompt
     with wrong text and no error: the naive all2all gathered DP rank 1's
@@ -130,12 +147,12 @@ def test_dp2_tp2_mtp_outputs_equal_dp1(baseline, k, expert_parallel):
     of one process serving its requests."""
     outs = _run(DP_TP_PER_RANK, k, expert_parallel, tp=2)
     _check(outs, DP_TP_PER_RANK, baseline, k)
-    _check_acceptance(outs, DP_TP_PER_RANK, k)
+    _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
 @pytest.mark.parametrize("method,k", [("allgather", 2), ("alltoall", 1),
                                       ("alltoall", 2)])
-def test_dp2_ep_moe_methods_equal_dp1(baseline, method, k):
+def test_dp2_ep_moe_methods_equal_dp1(references, baseline, method, k):
     """Each MoE communication method forced with EP (MC2, the default with
     EP, and all-gather, the default without, run in the tests above): DP=1
     outputs, and each rank's acceptance is that of one process serving its
@@ -144,14 +161,14 @@ def test_dp2_ep_moe_methods_equal_dp1(baseline, method, k):
                 env={"VLLM_ASCEND_MOE_COMM": method},
                 enforce_eager=method == "alltoall")
     _check(outs, DP_TP_PER_RANK, baseline, k)
-    _check_acceptance(outs, DP_TP_PER_RANK, k)
+    _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_tp2_mtp_outputs_equal_dp1(baseline, k):
+def test_tp2_mtp_outputs_equal_dp1(references, baseline, k):
     """TP 2 alone (attention heads, MLP, experts and the vocabulary split;
     the draft on the target's embedding and head shards)."""
-    per_rank = [list(range(len(PROMPTS)))]
+    per_rank = [list(ALL)]
     outs = _run(per_rank, k, False, tp=2)
     _check(outs, per_rank, baseline, k)
-    _check_acceptance(outs, per_rank, k)
+    _check_acceptance(references, outs, per_rank, k)

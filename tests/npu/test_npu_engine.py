@@ -144,18 +144,17 @@ def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
 
 
 @pytest.mark.parametrize("tp,k,ep,method,per_rank", [
-    (1, 1, True, None, [[0, 1, 2], [3]]),
     (2, 2, True, None, [[0, 1, 2], [3]]),
     (1, 2, True, "allgather", [[0, 4], [1, 2, 3]]),
     (1, 1, True, "alltoall", [[3], [0, 1, 2]]),
     (1, 2, False, None, [[1], [0, 2, 3]]),
-], ids=["dp2-ep-k1", "dp2xtp2-ep-k2", "dp2-ep-allgather-k2",
+], ids=["dp2xtp2-ep-k2", "dp2-ep-allgather-k2",
         "dp2-ep-alltoall-k1-eager", "dp2-k2"])
 def test_parallel_mtp_equals_reference(setup, tmp_path, tp, k, ep, method,
                                        per_rank):
     """DP=2 (also x TP=2: 4 processes; TP=2 alone runs on the CPU
-    reference device), with MTP, with and
-    without expert parallelism, each MoE communication method over hccl. With expert parallelism MC2 is the
+    reference device) with MTP, with and without expert parallelism, each
+    MoE communication method over hccl. With expert parallelism MC2 is the
     default: the fused dispatch/combine kernels, each TP rank sending its
     share of the tokens (a TP rank without one sends a token whose result
     it drops: the kernels take no empty batch). All-to-all reads its
