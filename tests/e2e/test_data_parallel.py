@@ -40,19 +40,27 @@ ACCEPTANCE = ("vllm:spec_decode_num_drafts",
               "vllm:spec_decode_num_accepted_tokens")
 
 ALL = tuple(range(len(PROMPTS)))
+# TP 2 alone: one DP rank serves every request.
+TP2_PER_RANK = [list(ALL)]
 # Uneven: rank 1 idles while rank 0 decodes. The tests below share these
 # requests (and so the single-process references of their acceptance).
 DP_TP_PER_RANK = [[0, 3], [2]]
-# The (k, requests) of each rank's single-process MTP reference below.
-MTP_REFERENCES = [(1, (0, 3)), (1, (2,)), (2, (0, 3)), (2, (2,)), (2, (4,)),
-                  (1, ALL), (2, ALL)]
+# (k, expert_parallel, per_rank) of test_dp2_mtp_outputs_equal_dp1.
+DP2_CASES = [(2, True, [[2], [0, 3]]), (1, True, [[0, 3], []]),
+             (2, False, [[4], [0, 3]])]
+# (k, per_rank) of every test below: each busy rank's requests need a
+# single-process MTP reference of their acceptance.
+MTP_RUNS = ([(k, per_rank) for k, _, per_rank in DP2_CASES]
+            + [(k, per_rank) for k in (1, 2)
+               for per_rank in (DP_TP_PER_RANK, TP2_PER_RANK)])
+
+
+def _speculative(k: int) -> dict:
+    return dict(method="glm4_moe_mtp", num_speculative_tokens=k)
 
 
 def _job(indices: tuple[int, ...], k: int = 0) -> dict:
-    engine = dict(ENGINE)
-    if k:
-        engine["speculative_config"] = dict(method="glm4_moe_mtp",
-                                            num_speculative_tokens=k)
+    engine = dict(ENGINE, speculative_config=_speculative(k)) if k else ENGINE
     return dict(engine=engine, prompts=[PROMPTS[i] for i in indices],
                 sampling=_sampling(list(indices)))
 
@@ -60,14 +68,16 @@ def _job(indices: tuple[int, ...], k: int = 0) -> dict:
 @pytest.fixture(scope="module")
 def references() -> dict:
     """One process each, two at a time: ``"baseline"`` (all requests, no
-    MTP) and, per ``(k, requests)`` of MTP_REFERENCES, the outputs and
-    spec-decode counters with MTP k."""
+    MTP) and, per ``(k, requests)`` of a busy rank in MTP_RUNS, the outputs
+    and spec-decode counters with MTP k."""
+    keys = dict.fromkeys((k, tuple(indices)) for k, per_rank in MTP_RUNS
+                         for indices in per_rank if indices)
     jobs = {"baseline": _job(ALL),
-            **{key: _job(key[1], key[0]) for key in MTP_REFERENCES}}
+            **{key: _job(key[1], key[0]) for key in keys}}
     results = run_engines(jobs)
-    for result in results.values():
+    for key, result in results.items():
         if isinstance(result, AssertionError):
-            raise result
+            raise AssertionError(f"{key}: {result}")
     return results
 
 
@@ -81,9 +91,7 @@ def _run(per_rank: list[list[int]], k: int, expert_parallel: bool,
          tp: int = 1, env: dict | None = None, **engine_args):
     engine = dict(ENGINE, enable_expert_parallel=expert_parallel,
                   tensor_parallel_size=tp,
-                  speculative_config=dict(method="glm4_moe_mtp",
-                                          num_speculative_tokens=k),
-                  **engine_args)
+                  speculative_config=_speculative(k), **engine_args)
     return run_dp_engine(
         engine, [[PROMPTS[i] for i in indices] for indices in per_rank],
         [_sampling(indices) for indices in per_rank], env=env,
@@ -118,12 +126,9 @@ def _check(outs, per_rank, baseline, k):
             assert drafts == 0, (rank, out["metrics"])
 
 
-
-@pytest.mark.parametrize("k,expert_parallel,per_rank", [
-    (2, True, [[2], [0, 3]]),
-    (1, True, [[0, 3], []]),
-    (2, False, [[4], [0, 3]]),
-], ids=["k2-ep-uneven", "k1-ep-idle-rank", "k2-tp-max-model-len"])
+@pytest.mark.parametrize("k,expert_parallel,per_rank", DP2_CASES,
+                         ids=["k2-ep-uneven", "k1-ep-idle-rank",
+                              "k2-tp-max-model-len"])
 def test_dp2_mtp_outputs_equal_dp1(references, baseline, k, expert_parallel,
                                    per_rank):
     outs = _run(per_rank, k, expert_parallel)
@@ -168,7 +173,6 @@ def test_dp2_ep_moe_methods_equal_dp1(references, baseline, method, k):
 def test_tp2_mtp_outputs_equal_dp1(references, baseline, k):
     """TP 2 alone (attention heads, MLP, experts and the vocabulary split;
     the draft on the target's embedding and head shards)."""
-    per_rank = [list(ALL)]
-    outs = _run(per_rank, k, False, tp=2)
-    _check(outs, per_rank, baseline, k)
-    _check_acceptance(references, outs, per_rank, k)
+    outs = _run(TP2_PER_RANK, k, False, tp=2)
+    _check(outs, TP2_PER_RANK, baseline, k)
+    _check_acceptance(references, outs, TP2_PER_RANK, k)
