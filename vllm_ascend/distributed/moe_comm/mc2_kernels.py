@@ -8,12 +8,17 @@ with the routing weights. Shapes are static (``global_bs`` fixes the
 buffers), so the kernels run inside captured graphs.
 
 The kernels take fewer configurations than the exchange in torch
-(``mc2.py``): op-plugin's documented limits (master 517f2e7,
-``torch_npu-npu_moe_distribute_dispatch_v2.md``, fullmesh algorithm) are
-checked once at startup by ``unsupported_reason``; outside them MC2 runs
-the torch exchange, and the log line says why.
+(``mc2.py``). Their limits are those of op-plugin 7.2.0, the version
+torch-npu 2.8.0 ships (CANN 8.3.RC1): ``docs/context/torch_npu-npu_moe_
+distribute_dispatch_v2.md`` and ``..._combine_v2.md`` (cited below as
+dispatch_v2.md / combine_v2.md with their lines). ``unsupported_reason``
+checks them once at startup; outside them MC2 runs the torch exchange, and
+the log line says why. The arguments per SoC are those hardware-proven
+code passes (vllm-ascend 0.11): the TP-domain arguments only on Atlas A3,
+``expert_scales`` only to the Atlas A2 hierarchical algorithm.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -27,7 +32,15 @@ from vllm_ascend.ops._backend import use_npu
 
 logger = init_logger(__name__)
 
-A2_EP_SIZES = (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256)
+# Atlas A2 EP sizes: fullmesh, hierarchy (dispatch_v2.md:97-99,
+# combine_v2.md:63-65). Atlas A3: [2, 768] (dispatch_v2.md:100).
+A2_EP_SIZES = (16, 32, 64, 128, 256)
+A2_HIERARCHY_EP_SIZES = (16, 32, 64)
+A3_EP_RANGE = (2, 768)
+# moe_expert_num / (ep_world_size - shared_expert_rank_num) on Atlas A2
+# (dispatch_v2.md:104, combine_v2.md:70); not required by the hierarchy
+# algorithm (dispatch_v2.md:221).
+A2_MAX_EXPERTS_PER_RANK = 24
 
 
 def soc_family(soc_version: int) -> Optional[str]:
@@ -37,6 +50,14 @@ def soc_family(soc_version: int) -> Optional[str]:
     if 250 <= soc_version <= 255:
         return "A3"
     return None
+
+
+def a2_hierarchical() -> bool:
+    """With ``comm_alg`` "" (the plugin's) the Atlas A2 kernels run the
+    hierarchy algorithm when HCCL_INTRA_PCIE_ENABLE=1 and
+    HCCL_INTRA_ROCE_ENABLE=0, fullmesh otherwise (dispatch_v2.md:150)."""
+    return (os.environ.get("HCCL_INTRA_PCIE_ENABLE") == "1"
+            and os.environ.get("HCCL_INTRA_ROCE_ENABLE") == "0")
 
 
 def max_tokens_per_rank(capacity: int, tp_size: int) -> int:
@@ -57,20 +78,35 @@ def unsupported_reason(vllm_config, capacity: int,
     top_k = getattr(hf, "num_experts_per_tok", 0)
     hidden = hf.hidden_size
     max_bs = max_tokens_per_rank(capacity, parallel.tensor_parallel_size)
-    if family == "A2" and ep_size not in A2_EP_SIZES:
-        return f"EP size {ep_size} is not one of {A2_EP_SIZES} on Atlas A2"
-    if family == "A3" and not 2 <= ep_size <= 768:
-        return f"EP size {ep_size} is outside [2, 768] on Atlas A3"
+    hierarchical = family == "A2" and a2_hierarchical()
+    if family == "A2":
+        sizes = A2_HIERARCHY_EP_SIZES if hierarchical else A2_EP_SIZES
+        if ep_size not in sizes:
+            return (f"EP size {ep_size} is not one of {sizes} on Atlas A2 "
+                    f"({'hierarchy' if hierarchical else 'fullmesh'}, "
+                    "op-plugin 7.2.0)")
+    elif not A3_EP_RANGE[0] <= ep_size <= A3_EP_RANGE[1]:
+        return f"EP size {ep_size} is outside {list(A3_EP_RANGE)} on Atlas A3"
+    # dispatch_v2.md:103
     if not 1 <= experts <= 1024 or experts % ep_size:
         return (f"{experts} routed experts: the kernels take 1-1024, "
                 f"divisible by the EP size {ep_size}")
+    if (family == "A2" and not hierarchical
+            and experts // ep_size > A2_MAX_EXPERTS_PER_RANK):
+        return (f"{experts // ep_size} experts per rank ({experts} / EP "
+                f"{ep_size}) exceed the {A2_MAX_EXPERTS_PER_RANK} of Atlas "
+                "A2 (fullmesh, op-plugin 7.2.0)")
+    # dispatch_v2.md:207
     if not 0 < top_k <= min(16, experts):
         return f"top-k {top_k} is outside (0, 16]"
+    # dispatch_v2.md:198-201 (the hierarchy algorithm's larger bound needs
+    # a driver of 25.0.RC1.1 or later, :200: the fullmesh one is kept).
     if family == "A2" and (hidden > 7168 or hidden % 32):
         return (f"hidden size {hidden} is not a multiple of 32 up to 7168 "
                 "(Atlas A2)")
     if family == "A3" and not 1024 <= hidden <= 8192:
         return f"hidden size {hidden} is outside [1024, 8192] (Atlas A3)"
+    # dispatch_v2.md:203-205
     limit = 512 if family == "A3" else 256
     if max_bs > limit:
         return (f"{max_bs} tokens per rank (VLLM_ASCEND_MC2_CAPACITY / TP) "
@@ -86,11 +122,14 @@ def unsupported_reason(vllm_config, capacity: int,
 class FusedMC2Kernels:
     """One MoE layer's experts through dispatch, grouped MLP, combine."""
 
-    def __init__(self, max_bs: int, family: str):
+    def __init__(self, max_bs: int, family: str,
+                 hierarchical: bool = False):
         self.max_bs = max_bs
-        # Atlas A2 exchanges the routing weights with the tokens
-        # (expert_scales in, expand_scales out); A3's fullmesh does not.
-        self.exchange_scales = family == "A2"
+        self.a3 = family == "A3"
+        # expert_scales feeds only Atlas A2's hierarchical scheme
+        # (op-plugin 7.2.0 MoeDistributeDispatchV2KernelOpApi.cpp:149-153
+        # sizes ep_recv_counts for it); A3 takes none (dispatch_v2.md:115).
+        self.send_scales = family == "A2" and hierarchical
         self._comm_name = ""
 
     def comm_name(self) -> str:
@@ -119,23 +158,35 @@ class FusedMC2Kernels:
                       ep_rank_id=ep.rank_in_group,
                       moe_expert_num=num_experts,
                       global_bs=self.max_bs * ep.world_size)
+        # No TP domain. Atlas A2 takes none: group_tp "", tp_world_size 0
+        # (dispatch_v2.md:119-128, combine_v2.md:102-111). Atlas A3 reads
+        # tp_world_size 1 as none (dispatch_v2.md:125) and is passed it
+        # with the EP group's name, as vllm-ascend does.
+        tp = dict(group_tp=self.comm_name(), tp_world_size=1,
+                  tp_rank_id=0) if self.a3 else {}
         (expand_x, _, assist, group_ends, recv_counts, tp_counts,
          expand_scales) = torch_npu.npu_moe_distribute_dispatch_v2(
              x[send],
              ids,
-             expert_scales=weights if self.exchange_scales else None,
+             expert_scales=weights if self.send_scales else None,
              expert_token_nums_type=0,
-             **common)
+             **common,
+             **tp)
         y = grouped(expand_x, group_ends)
+        # Atlas A2 combine requires the dispatch's expand_scales
+        # (combine_v2.md:82-84), with or without expert_scales; its
+        # tp_send_counts keeps the default None (combine_v2.md:72-74): the
+        # dispatch's tp_recv_counts has tp_world_size elements, none here.
         rows = torch_npu.npu_moe_distribute_combine_v2(
             y,
             ids,
             assist,
             recv_counts,
             weights,
-            tp_send_counts=tp_counts,
-            expand_scales=expand_scales if self.exchange_scales else None,
-            **common)
+            tp_send_counts=tp_counts if self.a3 else None,
+            expand_scales=None if self.a3 else expand_scales,
+            **common,
+            **tp)
         out = torch.zeros_like(x)
         if share.stop > share.start:
             out[share] = rows
@@ -158,9 +209,11 @@ def create(vllm_config, capacity: int) -> Optional[FusedMC2Kernels]:
                     "fused kernels: %s", reason)
         return None
     assert family is not None
+    hierarchical = family == "A2" and a2_hierarchical()
     logger.info("MC2: fused npu_moe_distribute_dispatch_v2/combine_v2 "
-                "kernels (Atlas %s)", family)
+                "kernels (Atlas %s%s)", family,
+                ", hierarchy" if hierarchical else "")
     return FusedMC2Kernels(
         max_tokens_per_rank(capacity,
                             vllm_config.parallel_config.tensor_parallel_size),
-        family)
+        family, hierarchical)
