@@ -31,6 +31,7 @@ with the same tensors, inside an update; a replay that reaches an
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -197,6 +198,44 @@ class TaskGroup:
     nodes: list[_Node] = field(default_factory=list)
 
 
+@dataclass
+class Produced:
+    """A storage a capture allocated: on a device, a block of the graph's
+    pool, free again once no tensor handed out on it is alive."""
+    storage: torch.UntypedStorage
+    nbytes: int
+    dtype: torch.dtype
+    # The tensors the captured code got on it (the record holds aliases).
+    handed_out: list = field(default_factory=list)
+    # Marked a graph output (weak_output): replays write it for the caller.
+    output: bool = False
+    # Nothing handed out on it is alive any more.
+    unused: bool = False
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.handed_out)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """Another tensor on ``t``'s storage, same view."""
+    with _disable_current_modes():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+# Tensors captures handed out, by id, with the alias records hold instead
+# (any graph's: a piece's output is the next piece's input).
+_ALIASES: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _held(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        entry = _ALIASES.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return entry[1]
+    return x
+
+
 _FRAMEWORK_OPS: Optional[set] = None
 
 
@@ -286,6 +325,9 @@ class EmulatedGraph:
         self._restore: list[tuple[str, Callable]] = []
         self._in_kernel = False
         self.num_replays = 0
+        # Storages the capture allocated (the record holds aliases instead
+        # of the tensors handed out on them, so their liveness shows).
+        self.produced: dict[int, Produced] = {}
 
     # -- capture ---------------------------------------------------------
     def capture_begin(self, pool=None, capture_error_mode: str = "global"
@@ -307,6 +349,22 @@ class EmulatedGraph:
         if self._group is not None:
             raise GraphCaptureError(
                 "graph_task_group_begin without graph_task_group_end")
+        self._captured()
+
+    def _captured(self) -> None:
+        """After a capture: what a device does with the pool (the double's
+        NPU graph frees, poisons and charges; the CPU's keeps all)."""
+
+    def _allocated(self, produced: Produced) -> None:
+        """A storage allocated during the capture."""
+
+    def _unused(self, produced: Produced) -> None:
+        """The last tensor handed out on a storage of the capture died."""
+
+    def _check_unused(self, produced: Produced) -> None:
+        if not produced.unused and not produced.alive():
+            produced.unused = True
+            self._unused(produced)
 
     @contextlib.contextmanager
     def _kernel_scope(self):
@@ -328,16 +386,51 @@ class EmulatedGraph:
             for t in outputs:
                 key = _storage_key(t)
                 if key not in self._seen:
-                    self._pool_bytes += t.untyped_storage().nbytes()
+                    nbytes = t.untyped_storage().nbytes()
+                    self._pool_bytes += nbytes
+                    self.produced[key] = Produced(t.untyped_storage(),
+                                                  nbytes, t.dtype)
+                    self._allocated(self.produced[key])
         for t in inputs + outputs:
             self._seen.add(_storage_key(t))
-        # Containers copied: a list mutated after capture stays as captured.
-        node = _Node(func, *tree_map(lambda x: x, (args, kwargs)), outputs,
-                     kind, _is_collective(func, result))
+        # Containers copied: a list mutated after capture stays as captured;
+        # tensors on the capture's storages held as aliases.
+        node = _Node(func, *tree_map(_held, (args, kwargs)),
+                     [self._hand_out(t) for t in outputs], kind,
+                     _is_collective(func, result))
         self._nodes.append(node)
         if self._group is not None and kind != "alias":
             # A view launches no task: the group holds the kernels.
             self._group.nodes.append(node)
+
+    def _hand_out(self, t: torch.Tensor) -> torch.Tensor:
+        """The alias the record holds for an output handed to the code (a
+        view's own ``_base`` would keep what it views alive)."""
+        held = _held(t)
+        if held is t:
+            held = _alias(t)
+            key = id(t)
+            ref = weakref.ref(t, lambda _: _ALIASES.pop(key, None))
+            _ALIASES[key] = (ref, held)
+            produced = self.produced.get(_storage_key(t))
+            if produced is not None:
+                produced.handed_out.append(weakref.ref(
+                    t, lambda _: self._check_unused(produced)))
+        return held
+
+    def weak_output(self, output: Any) -> Any:
+        """The graph's output as a tensor that does not keep it allocated
+        (vLLM's ``weak_ref_tensors``); a replay writes it."""
+
+        def weak(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            produced = self.produced.get(_storage_key(x))
+            if produced is not None:
+                produced.output = True
+            return _alias(x)
+
+        return tree_map(weak, output)
 
     def _guard_host_methods(self) -> None:
         seen = self._seen
@@ -375,6 +468,7 @@ class EmulatedGraph:
         self._nodes = []
         self._seen = set()
         self._pool_bytes = 0
+        self.produced = {}
 
     def pool(self) -> int:
         return id(self)

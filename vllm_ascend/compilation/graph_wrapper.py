@@ -19,6 +19,7 @@ from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
+from torch.utils._pytree import tree_map
 from vllm.logger import init_logger
 
 from vllm_ascend import device
@@ -71,6 +72,28 @@ def _graph_bytes(graph) -> int:
     return getattr(graph, "pool_bytes", 0)
 
 
+def weak_output(graph, output):
+    """The graph's output without keeping its pool memory allocated (vLLM's
+    ``weak_ref_tensors``, which needs vLLM's compiled extension): later
+    captures reuse the blocks, and every replay rewrites them. On an NPU a
+    tensor on the same device memory that does not own it; the emulator's
+    graphs make their own."""
+    weak = getattr(graph, "weak_output", None)
+    if weak is not None:
+        return weak(output)
+
+    def unowned(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        storage = torch._C._construct_storage_from_data_pointer(
+            t.untyped_storage().data_ptr(), t.device,
+            t.untyped_storage().nbytes())
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            storage, t.storage_offset(), t.size(), t.stride())
+
+    return tree_map(unowned, output)
+
+
 class AscendGraphWrapper(CUDAGraphWrapper):
     """Captures and replays ``runnable`` as one device graph per batch
     descriptor (a piecewise piece or the whole model)."""
@@ -117,13 +140,21 @@ class AscendGraphWrapper(CUDAGraphWrapper):
             if self.runtime_mode == CUDAGraphMode.FULL:
                 stack.enter_context(attention_tasks.collecting(tasks))
             if self.cudagraph_options.gc_disable:
-                # Many pieces per forward: collect once, for the first.
+                # Many pieces per forward: collect and empty the cache once,
+                # for the first (torch.npu.graph empties it on entry).
                 stack.enter_context(patch("gc.collect", lambda: None))
+                if device.current().is_npu:
+                    stack.enter_context(
+                        patch("torch.npu.empty_cache", lambda: None))
             stack.enter_context(api.graph(graph, pool=self.graph_pool))
             output = self.runnable(*args, **kwargs)
-        # Held strongly: the output lives in the graph's pool either way
-        # (vLLM's weak references need its compiled _C extension).
-        entry.output = output
+            if self.cudagraph_options.weak_ref_output:
+                # The last piece: no later graph reads its output, so its
+                # blocks go back to the pool now.
+                output = weak_output(graph, output)
+        # Held weakly, as vLLM does: a strong reference keeps every piece's
+        # output of every size allocated in the shared pool.
+        entry.output = weak_output(graph, output)
         entry.cudagraph = graph
         entry.attention_tasks = tasks
         compilation_counter.num_cudagraph_captured += 1

@@ -21,6 +21,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
 from vllm_ascend.distributed import moe_comm
+from vllm_ascend.compilation import stream_budget
+from vllm_ascend.compilation.graph_mode import budget_of
 from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
                                                    graph_stats)
 from vllm_ascend.sample import AscendRejectionSampler
@@ -107,11 +109,16 @@ class AscendModelRunner(GPUModelRunner):
             if capture_draft is not None:
                 graph_bytes += capture_draft()
         graph_stats.capture_seconds = time.perf_counter() - start
+        graphs = sum(graph_stats.captured.values())
+        spec = self.vllm_config.speculative_config
+        budget = budget_of(self.vllm_config,
+                           spec.num_speculative_tokens if spec else 0)
         logger.info(
-            "Captured %d graph(s) for %s in %.1f s; graph pool %.2f MiB.",
-            sum(graph_stats.captured.values()),
+            "Captured %d graph(s) for %s in %.1f s; graph pool %.2f MiB; "
+            "streams %d of %d.", graphs,
             sorted({key[2] for key in graph_stats.captured}, reverse=True),
-            graph_stats.capture_seconds, graph_bytes / (1 << 20))
+            graph_stats.capture_seconds, graph_bytes / (1 << 20),
+            budget.streams_taken(graphs), stream_budget.NPU_STREAMS)
         return graph_bytes
 
     def _init_device_properties(self) -> None:
@@ -128,8 +135,13 @@ def _device_capture_env():
     the capture stream (vLLM's graph_capture asserts a CUDA communicator)
     and the free memory that measures the graph pool."""
     if device.current().is_npu:
-        capture = lambda device: torch.npu.stream(  # noqa: E731
-            torch.npu.Stream())
+
+        def capture(device_):
+            # A side stream that starts after the work already queued.
+            stream = torch.npu.Stream()
+            stream.wait_stream(torch.npu.current_stream())
+            return torch.npu.stream(stream)
+
         mem_get_info = torch.npu.mem_get_info
     else:
         capture = lambda device: contextlib.nullcontext()  # noqa: E731

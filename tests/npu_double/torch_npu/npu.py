@@ -17,6 +17,7 @@ defines it (``torch_npu/npu/streams.py``, ``torch_npu/npu/utils.py``).
 
 import contextlib
 import os
+import threading
 from collections import namedtuple
 from typing import Any, Optional, Union
 
@@ -34,11 +35,21 @@ NPUDeviceProperties = namedtuple(
 
 class _State:
     def __init__(self) -> None:
-        self.current_device = 0
+        # The device is a thread's context, as ACL's aclrtSetDevice: a
+        # thread that never selected one runs on NPU 0.
+        self._thread = threading.local()
         self.initialized = False
         self.baseline_rss = 0
         self.peak = 0
         self.workspace = 0  # non-torch bytes charged so far
+
+    @property
+    def current_device(self) -> int:
+        return getattr(self._thread, "device", 0)
+
+    @current_device.setter
+    def current_device(self, index: int) -> None:
+        self._thread.device = index
 
     @property
     def total_memory(self) -> int:
@@ -161,7 +172,7 @@ def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) in bytes, torch_npu/npu/memory.py."""
     _index(device, "mem_get_info")
     _check_context("mem_get_info")
-    used = state.allocated() + state.workspace
+    used = state.allocated() + state.workspace + _graphs.pool_bytes()
     return state.total_memory - used, state.total_memory
 
 
@@ -187,7 +198,7 @@ def max_memory_allocated(device=None) -> int:
 @traced("torch.npu.memory_reserved")
 def memory_reserved(device=None) -> int:
     _index(device, "memory_reserved")
-    return state.allocated()
+    return state.allocated() + _graphs.pool_bytes()
 
 
 @traced("torch.npu.memory_allocated")
@@ -305,7 +316,12 @@ def manual_seed(seed: int) -> None:
 
 
 # Device graphs: the plugin's CPU graph emulator, which follows torch_npu's
-# NPUGraph, graph, task-group/task-update and ExternalEvent contracts.
+# NPUGraph, graph, task-group/task-update and ExternalEvent contracts, with
+# the device's streams and pool memory (``_graphs``).
 from vllm_ascend.compilation.graph_emulator import (  # noqa: E402,F401
-    ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
+    ExternalEvent, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end)
+
+from . import _graphs  # noqa: E402
+
+NPUGraph = _graphs.NPUGraph
