@@ -136,7 +136,7 @@ def _device_capture_env():
     and the free memory that measures the graph pool."""
     if device.current().is_npu:
 
-        def capture(device_):
+        def capture(device=None):
             # A side stream that starts after the work already queued.
             stream = torch.npu.Stream()
             stream.wait_stream(torch.npu.current_stream())
