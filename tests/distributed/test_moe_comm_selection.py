@@ -70,6 +70,26 @@ def test_one_method_per_step(step, monkeypatch):
     assert moe_comm.current(1000).name == "allgather"
 
 
+def test_mc2_torch_exchange_stays_out_of_npu_graphs(step, monkeypatch):
+    """On an NPU whose fused MC2 kernels do not take the configuration, MC2
+    runs HCCL all_to_all_single, which no proven ACL graph captures
+    (vllm-ascend runs all-to-all only eagerly): graph mode uses all-gather
+    at every batch size, eager mode MC2, and MC2 forced in graph mode fails
+    at startup. With the kernels, or on the CPU reference device (the torch
+    exchange stands in for them: test_default_choice), MC2 runs in graphs."""
+    monkeypatch.setattr(moe_comm.mc2, "use_npu", lambda: True)
+    assert step(_config(), 8) == "allgather"
+    assert step(_config(graphs=False), 8) == "mc2"
+    assert step(_config(graphs=False), 300) == "allgather"
+    with pytest.raises(ValueError, match="MOE_COMM=mc2: the fused MC2 "
+                       "kernels do not take this configuration"):
+        step(_config(), 8, {moe_comm.MOE_COMM_ENV: "mc2"})
+    assert step(_config(graphs=False), 8,
+                {moe_comm.MOE_COMM_ENV: "mc2"}) == "mc2"
+    assert moe_comm.MC2MoEComm(256, object()).graph_safe
+    assert not moe_comm.MC2MoEComm(256, None).graph_safe
+
+
 @pytest.mark.parametrize("env,config,message", [
     ("nccl", _config(), "is not a MoE communication method"),
     ("mc2", _config(ep=False), "needs --enable-expert-parallel"),

@@ -8,6 +8,7 @@ fails in its argument checks.
 
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from tests.npu.helpers import REAL_NPU, on_both_ranks as _both
+from vllm_ascend.compilation.graph_emulator import (EmulatedGraph,
+                                                    GraphCaptureError)
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="checks the double; a real NPU has the real contracts")
@@ -135,6 +138,112 @@ def test_unsupported_and_comm_names(groups):
     name = group._get_backend(torch.device("cpu")).get_hccl_comm_name(0)
     assert name and group.get_hccl_comm_name(0) == name
     assert groups[1].get_hccl_comm_name(1) != name
+
+
+@contextmanager
+def _capturing():
+    """A graph capture recording (the double's ``torch.npu.graph``)."""
+    graph = EmulatedGraph()
+    graph.capture_begin()
+    try:
+        yield graph
+    finally:
+        graph.capture_end()
+
+
+def test_proven_collectives_run_in_a_capture(groups):
+    """all_reduce, all_gather (into a tensor and into a list) and
+    reduce_scatter (into a tensor): what vllm-ascend's ACL graphs capture."""
+    inputs = [torch.full((2, ), rank + 1.) for rank in range(2)]
+    gathered = [torch.empty(4) for _ in range(2)]
+    listed = [[torch.empty(2), torch.empty(2)] for _ in range(2)]
+    scattered = [torch.empty(2) for _ in range(2)]
+
+    def proven(group, rank):
+        group.allreduce([inputs[rank]], ALLREDUCE()).wait()
+        group._allgather_base(gathered[rank], inputs[rank],
+                              AllgatherOptions()).wait()
+        group.allgather([listed[rank]], [inputs[rank]],
+                        AllgatherOptions()).wait()
+        group._reduce_scatter_base(scattered[rank], gathered[rank],
+                                   dist.ReduceScatterOptions()).wait()
+
+    with _capturing():
+        _both(groups, proven)
+    for rank in range(2):
+        assert inputs[rank].tolist() == [3., 3.]
+        assert gathered[rank].tolist() == [3.] * 4
+        assert [t.tolist() for t in listed[rank]] == [[3., 3.]] * 2
+        assert scattered[rank].tolist() == [6., 6.]
+
+
+def _broadcast(group):
+    group.broadcast([torch.ones(2)], _opts(dist.BroadcastOptions,
+                                           rootRank=0))
+
+
+def _all_to_all_single(group):
+    group.alltoall_base(torch.empty(2), torch.ones(2), [], [],
+                        dist.AllToAllOptions())
+
+
+def _all_to_all(group):
+    group.alltoall([torch.empty(1), torch.empty(1)],
+                   [torch.ones(1), torch.ones(1)], dist.AllToAllOptions())
+
+
+def _send(group):
+    group.send([torch.ones(2)], 1, 0)
+
+
+def _recv(group):
+    group.recv([torch.empty(2)], 1, 0)
+
+
+def _barrier(group):
+    group.barrier()
+
+
+def _reduce(group):
+    group.reduce([torch.ones(2)], dist.ReduceOptions())
+
+
+def _scatter(group):
+    group.scatter([torch.empty(2)], [[torch.ones(2), torch.ones(2)]],
+                  dist.ScatterOptions())
+
+
+def _reduce_scatter_list(group):
+    group.reduce_scatter([torch.empty(2)], [[torch.ones(2), torch.ones(2)]],
+                         dist.ReduceScatterOptions())
+
+
+REFUSED = [
+    (_broadcast, "broadcast", "only in NAIVE_MULTICAST, which it chooses "
+     "for prefill, run eagerly"),
+    (_all_to_all_single, "alltoall_base", "all-to-all only eagerly"),
+    (_all_to_all, "alltoall", "all-to-all only eagerly"),
+    (_send, "send", "pipeline stages, eagerly"),
+    (_recv, "recv", "pipeline stages, eagerly"),
+    (_barrier, "barrier", "synchronizes the host"),
+    (_reduce, "reduce", "one root rank"),
+    (_scatter, "scatter", "one root rank"),
+    (_reduce_scatter_list, "reduce_scatter", "not into a list"),
+]
+
+
+@pytest.mark.parametrize("call,name,why", REFUSED,
+                         ids=[name for _, name, _ in REFUSED])
+def test_unproven_collectives_fail_in_a_capture(groups, call, name, why):
+    """Collectives that no proven ACL graph captures fail in a capture
+    before anything is sent, naming the collective and the evidence."""
+    with _capturing():
+        with pytest.raises(GraphCaptureError) as error:
+            call(groups[0])
+    message = str(error.value)
+    assert message.startswith(f"HCCL {name} during graph capture: no "
+                              "proven ACL graph captures it"), message
+    assert why in message, message
 
 
 # vLLM's naive all2all multicast: one broadcast per rank of a temporary

@@ -9,6 +9,17 @@ graph capture records it and a replay runs it again without the checks, as
 a device graph replays what was captured. Not checkable here: that tensors
 live on the NPU (the double's are CPU tensors).
 
+In a capture only the collectives hardware has been shown to capture in an
+ACL graph run (``CAPTURED``); any other fails with a GraphCaptureError
+naming it and why (``NOT_CAPTURED``). What is proven is what vllm-ascend
+v0.11.0 captures in its piecewise and full ACL graphs: the TP all-reduce;
+in the all-gather MoE method's decode path the DP all-gather (into a
+tensor) and reduce-scatter (``ops/moe/fused_moe_prepare_and_finalize.py``,
+``FusedMoEPrepareAndFinalizeWithAllGather``); in the MC2 path the TP
+``dist.all_gather`` into a list (``FusedMoEPrepareAndFinalizeWithMC2.
+finalize``) besides the fused kernels. A collective a fused kernel issues
+inside the double is the kernel's own and is not checked.
+
 Why the gloo backend is called directly rather than through
 ``super()``: torch's trampoline for a Python ``ProcessGroup`` runs the base
 collective with the GIL held (``WORK_OVERRIDE`` in ``PyProcessGroup.hpp``),
@@ -24,7 +35,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vllm_ascend.compilation.graph_emulator import kernel
+from vllm_ascend.compilation.graph_emulator import (EmulatedGraph,
+                                                    GraphCaptureError, kernel)
 
 from ._trace import record
 
@@ -46,6 +58,31 @@ _ATEN_NAMES = {torch.float64: "at::kDouble", torch.uint8: "at::kByte",
                torch.bool: "at::kBool"}
 
 _comm_names = itertools.count()
+
+# ProcessGroup methods (the collective's name in torch) of what proven ACL
+# graphs capture.
+CAPTURED = {"allreduce", "_allgather_base", "allgather",
+            "_reduce_scatter_base"}
+_EAGER_A2A = ("vllm-ascend v0.11.0 runs all-to-all only eagerly: ALLTOALL "
+              "for batches above the MC2 capacity, which is the largest "
+              "capture size (model_runner_v1._init_mc2_tokens_capacity, "
+              "_select_moe_comm_method); its o_proj all-to-all is TorchAir "
+              "only (ascend_config oproj_tensor_parallel_size)")
+NOT_CAPTURED = {
+    "broadcast": ("vllm-ascend v0.11.0 broadcasts only in NAIVE_MULTICAST, "
+                  "which it chooses for prefill, run eagerly "
+                  "(model_runner_v1._select_moe_comm_method); its graphs "
+                  "exchange DP tokens by all_gather and reduce_scatter"),
+    "alltoall_base": _EAGER_A2A,
+    "alltoall": _EAGER_A2A,
+    "send": "point-to-point runs between pipeline stages, eagerly",
+    "recv": "point-to-point runs between pipeline stages, eagerly",
+    "barrier": "a barrier synchronizes the host; no graph captures one",
+    "reduce": "no proven graph reduces to one root rank",
+    "scatter": "no proven graph scatters from one root rank",
+    "reduce_scatter": ("proven graphs reduce-scatter into a tensor "
+                       "(reduce_scatter_tensor), not into a list"),
+}
 
 
 def _fail(message: str) -> None:
@@ -105,10 +142,23 @@ def _run(collective, *args):
     return work
 
 
+def _capturable(name: str) -> None:
+    """Outside a capture any collective runs; in one, only ``CAPTURED``."""
+    graph = EmulatedGraph._capturing
+    if graph is None or graph._in_kernel or name in CAPTURED:
+        return
+    raise GraphCaptureError(
+        f"HCCL {name} during graph capture: no proven ACL graph captures "
+        f"it ({NOT_CAPTURED.get(name, 'not among ' + str(sorted(CAPTURED)))}"
+        "). Run it outside graphs, or use all_reduce / all_gather / "
+        "reduce_scatter.")
+
+
 def _launch(collective, *args):
     """One collective on the gloo backend, waited for before the next
     kernel as on a device stream; the caller's wait returns at once. The
     trace records it as ``hccl.<collective>`` at its plugin call site."""
+    _capturable(collective.__name__)
     record(f"hccl.{collective.__name__}")
     return _run(collective, *args)
 

@@ -7,7 +7,13 @@ ranks, and the MTP draft after the target, use one method in a step:
 - without expert parallelism: all-gather (with DP, vLLM's dispatch and
   combine; without, nothing to exchange);
 - with expert parallelism: MC2 when the largest DP rank's batch fits its
-  buffers (``VLLM_ASCEND_MC2_CAPACITY`` tokens per rank), all-gather above.
+  buffers (``VLLM_ASCEND_MC2_CAPACITY`` tokens per rank), all-gather above;
+  in graph mode all-gather too when MC2 would run its torch exchange on an
+  NPU (the fused kernels do not take the configuration): HCCL's
+  all-to-all is not shown to be captured. The choice must be the same on
+  every rank, and a rank may run a step eagerly while another replays a
+  graph (FULL_DECODE_ONLY): so it follows the configuration, not the
+  step's graph mode.
 
 ``VLLM_ASCEND_MOE_COMM=allgather|alltoall|mc2`` forces one; a forced method
 that cannot run in the configuration fails at startup (``check_config``).
@@ -65,6 +71,13 @@ def _uses_ep(vllm_config) -> bool:
             and p.data_parallel_size * p.tensor_parallel_size > 1)
 
 
+def _uses_graphs(vllm_config) -> bool:
+    model_config = vllm_config.model_config
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (model_config is not None and not model_config.enforce_eager
+            and mode is not None and mode != CUDAGraphMode.NONE)
+
+
 def check_config(vllm_config) -> None:
     """A forced method that cannot run here fails at startup, in one
     line."""
@@ -83,9 +96,7 @@ def check_config(vllm_config) -> None:
             f"{MOE_COMM_ENV}={name} exchanges tokens between expert-parallel "
             "ranks: it needs --enable-expert-parallel with more than one "
             f"rank (DP x TP > 1); unset {MOE_COMM_ENV} or use allgather.")
-    graphs = (vllm_config.compilation_config.cudagraph_mode
-              != CUDAGraphMode.NONE
-              and not vllm_config.model_config.enforce_eager)
+    graphs = _uses_graphs(vllm_config)
     if graphs and not _CLASSES[name].graph_safe:
         raise ValueError(
             f"{MOE_COMM_ENV}={name} reads per-rank token counts on the "
@@ -104,6 +115,7 @@ class _Selection:
 
     def __init__(self) -> None:
         self.expert_parallel = False
+        self.graphs = False
         self.forced: Optional[str] = None
         self.methods: dict[str, MoECommMethod] = {}
         self.step_method: Optional[MoECommMethod] = None
@@ -121,6 +133,20 @@ class _Selection:
             "mc2": MC2MoEComm(capacity, kernels),
         }
         self.step_method = None
+        self.graphs = _uses_graphs(vllm_config)
+        mc2 = self.methods["mc2"]
+        if (self.expert_parallel and self.forced is None and self.graphs
+                and not mc2.graph_safe):
+            logger.info("MoE communication: all-gather, not MC2, in graph "
+                        "mode: without the fused kernels MC2 would capture "
+                        "HCCL all-to-all, which no proven graph does.")
+        if self.forced == "mc2" and self.graphs and not mc2.graph_safe:
+            raise ValueError(
+                f"{MOE_COMM_ENV}=mc2: the fused MC2 kernels do not take this "
+                "configuration (the log line above says why), and the torch "
+                "exchange (HCCL all_to_all_single) is not shown to run in "
+                "captured graphs (graph mode is the default): add "
+                f"--enforce-eager, or use {MOE_COMM_ENV}=allgather.")
 
     def choose(self, num_tokens: int) -> MoECommMethod:
         if not self.methods:
@@ -133,9 +159,14 @@ class _Selection:
             mc2 = self.methods["mc2"]
             assert isinstance(mc2, MC2MoEComm)
             fits = _max_tokens(num_tokens) <= mc2.capacity
-            name = "mc2" if fits else "allgather"
-            reason = (f"expert parallelism, batch "
-                      f"{'within' if fits else 'above'} the MC2 capacity")
+            if self.graphs and not mc2.graph_safe:
+                name = "allgather"
+                reason = ("expert parallelism in graph mode; MC2 without its "
+                          "fused kernels would capture HCCL all-to-all")
+            else:
+                name = "mc2" if fits else "allgather"
+                reason = (f"expert parallelism, batch "
+                          f"{'within' if fits else 'above'} the MC2 capacity")
         if name not in self.logged:
             self.logged.add(name)
             logger.info("MoE communication: %s (%s)", name, reason)

@@ -9,6 +9,13 @@ place. This is the contract of the NPU's fused MC2 kernels
 (npu_moe_distribute_dispatch_v2 / combine_v2), which run instead on an
 NPU whose kernels take the configuration (``mc2_kernels``); elsewhere it is
 torch.distributed's all_to_all_single.
+
+Graphs: the fused kernels are captured in vllm-ascend's ACL graphs (its
+MC2 decode path), HCCL's all-to-all never is (v0.11.0 runs ALLTOALL only
+above the MC2 capacity, the largest capture size: eagerly). So on an NPU
+without the kernels the method is not graph-safe and graph mode uses
+all-gather instead (``moe_comm``). On the CPU reference device the torch
+exchange stands in for the kernels, and the graph emulator captures it.
 """
 
 from typing import Optional
@@ -23,16 +30,20 @@ from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
                                                        pair_rows, tp_share,
                                                        weighted_sum)
 from vllm_ascend.distributed.moe_comm.mc2_kernels import FusedMC2Kernels
+from vllm_ascend.ops._backend import use_npu
 
 
 class MC2MoEComm(MoECommMethod):
     name = "mc2"
+    # Static shapes either way; whether a device graph captures it depends
+    # on the exchange (an instance's graph_safe).
     graph_safe = True
 
     def __init__(self, capacity: int,
                  kernels: Optional[FusedMC2Kernels] = None):
         self.capacity = capacity
         self.kernels = kernels
+        self.graph_safe = kernels is not None or not use_npu()
 
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
