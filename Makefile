@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_PINS := -c requirements-build.txt -c requirements-lock.txt
 
-.PHONY: install vllm apply export check-patches rebase-check test nightly demo lint clean
+.PHONY: install vllm apply export check-patches rebase-check test nightly rehearsal demo lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,15 @@ test: $(STAMP) apply
 # PATH", "--device npu --preset original", "--update-baseline".
 nightly: $(STAMP) apply
 	$(PY) tools/nightly.py $(NIGHTLY_ARGS)
+
+# The original report's `vllm serve` (DP 2 x TP 2 + EP, W8A8 with a float
+# MTP layer, its capture sizes, then none, then no MTP) at GLM-4.5's depth
+# through the torch_npu double: builds the checkpoint into
+# ~/.cache/vllm-ascend/glm45-depth, prints graphs against the stream budget,
+# device memory by use and MTP == no-MTP. Not in CI; REHEARSAL_ARGS="--runs
+# mtp", "--npu-memory-gib G --max-model-len N --max-num-batched-tokens N".
+rehearsal: $(STAMP) apply
+	$(PY) tools/rehearse_original.py $(REHEARSAL_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check vllm_ascend tests tools
