@@ -2,7 +2,7 @@
 GLM-4.5 checkpoint, for ``vllm serve ... --quantization ascend``.
 
     python tools/quantize_w8a8.py --model SRC --out DST [--float-mtp]
-        [--dynamic-only] [--calib-file PROMPTS.json]
+        [--dynamic-only] [--anti-outlier] [--calib-file PROMPTS.json]
 
 Per layer (msModelSlim's names, see vllm_ascend/quantization):
 - attention projections: W8A8 (static), with per-tensor activation scale
@@ -20,6 +20,19 @@ Per layer (msModelSlim's names, see vllm_ascend/quantization):
   linears (``eh_proj`` included) are W8A8_DYNAMIC: the tool runs no MTP
   forward to calibrate static scales.
 
+With ``--anti-outlier``, as msModelSlim's anti-outlier method m4 does for
+its shift: each main-model layer's ``input_layernorm`` output is centered
+per channel (shift s = (max + min) / 2 over the calibration prompts), the
+norm gets ``bias`` = -s (FLOAT in the description) and the q/k/v biases,
+which it feeds, take ``bias + W s`` with W the weight as served
+(dequantized), so that W (x_n - s) + bias + W s = W x_n + bias: the float
+function is unchanged and the static activation range is the shifted one.
+Norms whose linears have no bias (``post_attention_layernorm`` before the
+MLP or experts, the MTP layer's, the final norm) are not shifted: vLLM's
+GLM-4.5 layers have no bias to compensate in; nor is the MTP layer's
+``input_layernorm`` (no MTP forward to calibrate). Needs
+``attention_bias``.
+
 It writes ``model.safetensors``, ``quant_model_description.json``, the
 config with ``"quantization_config": {"quant_method": "ascend"}`` and the
 tokenizer and generation files. A tool for small checkpoints (tests,
@@ -31,6 +44,7 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,10 +102,17 @@ def static_params(q: dict[str, torch.Tensor], low: float,
     }
 
 
-def calibrate(src: Path, names: list[str], prompts: list[str],
-              num_layers: int) -> dict[str, tuple[float, float]]:
+def calibrate(
+    src: Path,
+    names: list[str],
+    prompts: list[str],
+    num_layers: int,
+    channel_names: tuple[str, ...] = ()
+) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[torch.Tensor,
+                                                           torch.Tensor]]]:
     """min/max of each named linear's input over ``prompts`` (float
-    forward of the main model with transformers)."""
+    forward of the main model with transformers), and per input channel
+    for ``channel_names``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -110,6 +131,7 @@ def calibrate(src: Path, names: list[str], prompts: list[str],
         batches = [torch.randint(1, vocab, (1, 32), generator=gen)
                    for _ in prompts]
     ranges: dict[str, list[float]] = {}
+    channels: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
     modules = dict(model.named_modules())
     for name in names:
@@ -123,15 +145,70 @@ def calibrate(src: Path, names: list[str], prompts: list[str],
                                                          x.max().item())]
 
         hooks.append(module.register_forward_hook(hook))
+    for name in channel_names:
+        module = modules[name.removesuffix(".weight")]
+
+        def channel_hook(_mod, args, _out, key=name):
+            x = args[0].detach().flatten(0, -2)
+            low, high = x.amin(dim=0), x.amax(dim=0)
+            if key in channels:
+                low = torch.minimum(low, channels[key][0])
+                high = torch.maximum(high, channels[key][1])
+            channels[key] = (low, high)
+
+        hooks.append(module.register_forward_hook(channel_hook))
     with torch.no_grad():
         for ids in batches:
             model(input_ids=ids)
     for h in hooks:
         h.remove()
     missing = [n for n in names if n not in ranges]
+    missing += [n for n in channel_names if n not in channels]
     if missing:
         sys.exit(f"error: calibration never reached {missing[0]}")
-    return {k: (v[0], v[1]) for k, v in ranges.items()}
+    return {k: (v[0], v[1]) for k, v in ranges.items()}, channels
+
+
+def shifted_norms(num_layers: int) -> dict[str, list[str]]:
+    """Norm -> the linears it feeds, for the norms ``--anti-outlier``
+    shifts: each main-model layer's input_layernorm (q/k/v have biases)."""
+    return {
+        f"model.layers.{i}.input_layernorm":
+        [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"]
+        for i in range(num_layers)
+    }
+
+
+def anti_outlier(
+    state: dict[str, torch.Tensor], norms: dict[str, list[str]],
+    channels: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    served_weight: Callable[[str], torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Give each norm in ``norms`` the bias -s (s: the center of its
+    output's per-channel range, ``channels[<first linear>.weight]``) and
+    its linears' biases ``+ W s`` (``served_weight(name)``: the weight as
+    served, float); in place. Returns the linears' shifted input ranges."""
+    shifted = {}
+    for norm, linears in norms.items():
+        low, high = (t.double() for t in channels[f"{linears[0]}.weight"])
+        norm_bias = (-(high + low) / 2).to(state[f"{norm}.weight"].dtype)
+        state[f"{norm}.bias"] = norm_bias
+        # Compensate the shift as stored (rounded to the norm's dtype).
+        shift = -norm_bias.double()
+        for linear in linears:
+            bias = state.get(f"{linear}.bias")
+            if bias is None:
+                sys.exit(f"error: --anti-outlier: {linear} has no bias to "
+                         f"compensate the shift of {norm} in")
+            w = served_weight(f"{linear}.weight").double()
+            state[f"{linear}.bias"] = (bias.double() +
+                                       w @ shift).to(bias.dtype)
+            shifted[f"{linear}.weight"] = (low - shift, high - shift)
+    return shifted
+
+
+def dequantized(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return params["weight"].double() * params["weight_scale"].double()
 
 
 def plan(state: dict[str, torch.Tensor], num_layers: int, float_mtp: bool,
@@ -159,6 +236,10 @@ def main(argv=None) -> None:
                         help="keep every tensor of the MTP layer float")
     parser.add_argument("--dynamic-only", action="store_true",
                         help="W8A8_DYNAMIC everywhere (no calibration)")
+    parser.add_argument("--anti-outlier", action="store_true",
+                        help="shift the input_layernorm outputs as "
+                        "msModelSlim's m4 does: non-zero norm biases, "
+                        "compensated in the q/k/v biases")
     parser.add_argument("--calib-file", type=Path,
                         help="JSON list of calibration prompts")
     args = parser.parse_args(argv)
@@ -170,8 +251,24 @@ def main(argv=None) -> None:
     static = sorted(n for n, m in methods.items() if m == "W8A8")
     prompts = (json.loads(args.calib_file.read_text())
                if args.calib_file else DEFAULT_PROMPTS)
-    ranges = calibrate(args.model, static, prompts,
-                       num_layers) if static else {}
+    norms = shifted_norms(num_layers) if args.anti_outlier else {}
+    if norms and not config.get("attention_bias", False):
+        sys.exit("error: --anti-outlier compensates the input_layernorm "
+                 "shift in the q/k/v biases, and this model has none "
+                 "(attention_bias false)")
+    channel_names = tuple(f"{linears[0]}.weight"
+                          for linears in norms.values())
+    ranges, channels = (calibrate(args.model, static, prompts, num_layers,
+                                  channel_names)
+                        if static or channel_names else ({}, {}))
+    quantized = {name: quantize_weight(state[name]) for name in methods}
+    if norms:
+        shifted = anti_outlier(
+            state, norms, channels, lambda name: dequantized(
+                quantized[name]) if name in quantized else state[name])
+        for name, (low, high) in shifted.items():
+            if name in ranges:
+                ranges[name] = (low.min().item(), high.max().item())
 
     out: dict[str, torch.Tensor] = {}
     description: dict[str, str] = {
@@ -185,7 +282,7 @@ def main(argv=None) -> None:
             description[name] = "FLOAT"
             continue
         layer = name.removesuffix(".weight")
-        params = quantize_weight(tensor)
+        params = quantized[name]
         if method == "W8A8":
             params.update(static_params(params, *ranges[name]))
         for suffix, value in params.items():
@@ -211,7 +308,8 @@ def main(argv=None) -> None:
     quant_mb = sum(t.numel() * t.element_size()
                    for t in out.values()) / 2**20
     print(f"Wrote {args.out}: {counts} linear weights quantized, "
-          f"MTP layer {'float' if args.float_mtp else 'quantized'}; "
+          f"MTP layer {'float' if args.float_mtp else 'quantized'}, "
+          f"{len(norms)} norm biases (anti-outlier); "
           f"{float_mb:.1f} MiB -> {quant_mb:.1f} MiB.")
 
 

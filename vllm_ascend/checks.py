@@ -189,8 +189,13 @@ def check_checkpoint(vllm_config: "VllmConfig") -> None:
     check_glm45_checkpoint(model_dir, hf_config, with_mtp)
     if quantization == "ascend":
         from vllm_ascend.quantization.description import QuantDescription
-        QuantDescription.from_dir(model_dir).check_tensors(
-            checkpoint_tensor_names(model_dir))
+        description = QuantDescription.from_dir(model_dir)
+        description.check_tensors(checkpoint_tensor_names(model_dir))
+        # Anti-outlier (m4) norm biases: each must have its RMSNorm (the
+        # MTP layer's too: skipped with the layer when it is not served).
+        description.check_norm_biases(
+            n for n in expected_glm45_tensors(hf_config, with_mtp=True)
+            if n.endswith("norm.weight"))
 
 
 def check_parallel_layout(vllm_config: "VllmConfig") -> None:

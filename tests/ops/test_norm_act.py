@@ -102,3 +102,98 @@ def test_silu_and_mul_layer_is_replaced(vllm_config):
     spy.assert_called_once()
     torch.testing.assert_close(out, torch.nn.functional.silu(x[:, :6]) *
                                x[:, 6:])
+
+
+# --- the norm bias of anti-outlier (m4) W8A8 checkpoints -------------------
+
+NORM = "model.layers.0.input_layernorm"
+
+
+@pytest.fixture
+def norm_bias_config(dist_world):
+    """A VllmConfig whose ``--quantization ascend`` description lists a
+    norm bias, as an msModelSlim m4 checkpoint's does."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_ascend.quantization.config import AscendQuantConfig
+    from vllm_ascend.quantization.description import QuantDescription
+    description = QuantDescription(
+        {f"{NORM}.weight": "FLOAT", f"{NORM}.bias": "FLOAT"}, "desc.json")
+    config = VllmConfig()
+    config.quant_config = AscendQuantConfig(description)
+    with set_current_vllm_config(config):
+        yield config
+
+
+def _biased_norm(dtype=torch.float32):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    layer = RMSNorm(32, eps=1e-5, dtype=dtype)
+    assert type(layer) is layernorm.AscendRMSNorm
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, 32))
+        # What the model's loader does with "<norm>.bias".
+        layer.bias.copy_((torch.randn(32, generator=g) * 4).to(dtype))
+    return layer
+
+
+def test_no_norm_bias_without_a_described_one(vllm_config):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    layer = RMSNorm(32)
+    assert layer.bias is None
+    assert "bias" not in dict(layer.named_parameters())
+
+
+def test_norm_bias_parameter_when_described(norm_bias_config):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    layer = RMSNorm(32, dtype=torch.bfloat16)
+    params = dict(layer.named_parameters())
+    # A parameter: the model's loader finds "<norm>.bias" in params_dict.
+    assert set(params) == {"weight", "bias"}
+    assert params["bias"].dtype == torch.bfloat16
+    assert not params["bias"].any() and not params["bias"].requires_grad
+
+
+def test_norm_bias_is_added_after_the_norm(norm_bias_config):
+    layer = _biased_norm()
+    x, res = torch.randn(2, 3, 32,
+                         generator=torch.Generator().manual_seed(0)).unbind(0)
+    f32 = dict(rtol=1e-6, atol=1e-6)
+    bias = layer.bias.double()
+    torch.testing.assert_close(
+        layer(x).double(), rms_norm_f64(x, layer.weight, 1e-5) + bias, **f32)
+    normed, new_res = layer(x, res)
+    torch.testing.assert_close(
+        normed.double(), rms_norm_f64(x + res, layer.weight, 1e-5) + bias,
+        **f32)
+    # The residual stream carries the un-biased sum.
+    torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
+
+
+@pytest.mark.npu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_bias_on_the_npu_path(norm_bias_config, dtype):
+    """The layer on npu_rms_norm / npu_add_rms_norm (the torch_npu double
+    off an NPU) gives the CPU reference's biased output and un-biased
+    residual."""
+    from tests.npu.helpers import to_npu, torch_npu_in_process
+    layer = _biased_norm(dtype)
+    g = torch.Generator().manual_seed(4)
+    x, res = (torch.randn(2, 5, 32, generator=g) * 2).to(dtype).unbind(0)
+    want_plain = layer(x)
+    want_normed, want_res = layer(x, res)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch_npu_in_process():
+        layer = layer.to(to_npu(x).device)
+        x, res = to_npu(x), to_npu(res)
+        with mock.patch.object(layernorm, "rms_norm",
+                               layernorm._rms_norm_npu), \
+                mock.patch.object(layernorm, "add_rms_norm",
+                                  layernorm._add_rms_norm_npu):
+            plain = layer(x)
+            normed, new_res = layer(x, res)
+    for got, want in ((plain, want_plain), (normed, want_normed),
+                      (new_res, want_res)):
+        torch.testing.assert_close(got.float().cpu(), want.float(),
+                                   rtol=tol, atol=tol)
+    assert new_res.dtype == dtype

@@ -4,7 +4,9 @@ Both W8A8 checkpoints (MTP layer quantized, MTP layer float) load with
 every served parameter traced back to its checkpoint tensors; greedy with
 MTP (k = 1..3, chunked prefill, preemption, graph mode) equals greedy
 without it; the quantized model's next-token predictions and MTP
-acceptance are reported next to the float model's.
+acceptance are reported next to the float model's. Anti-outlier (m4)
+checkpoints serve their norm biases: shifted without quantization, the
+float model's function.
 """
 
 import json
@@ -53,9 +55,11 @@ def _job(model, k=0, logprobs=False, **mode) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(w8a8_dirs) -> dict:
+def runs(w8a8_dirs, anti_outlier_dirs) -> dict:
     quantized, float_mtp = w8a8_dirs["quantized_mtp"], w8a8_dirs["float_mtp"]
     jobs = {
+        "float_ao": _job(anti_outlier_dirs["float"], logprobs=True),
+        "w8a8_ao": _job(anti_outlier_dirs["w8a8"], logprobs=True),
         "w8a8": _job(quantized, logprobs=True),
         "float": _job(FIXTURE, logprobs=True),
         "w8a8_k1": _job(quantized, 1, **MTP_MODE),
@@ -95,13 +99,13 @@ def _acceptance(run) -> float:
             m["vllm:spec_decode_num_draft_tokens"])
 
 
-def test_quality_against_float(runs):
-    """Teacher-forced next-token predictions over the prompts: top-1
-    agreement and the largest log-probability error, W8A8 vs float; MTP
-    acceptance of both."""
+def _against_float(run, runs) -> tuple[int, int, float]:
+    """Teacher-forced next-token predictions over the prompts against the
+    float model's: (top-1 agreements, positions, largest log-probability
+    error)."""
     agree = total = 0
     max_error = 0.0
-    for quant_seq, float_seq in zip(runs["w8a8"]["prompt_logprobs"],
+    for quant_seq, float_seq in zip(run["prompt_logprobs"],
                                     runs["float"]["prompt_logprobs"]):
         for q, f in zip(quant_seq, float_seq):
             if q is None:
@@ -111,6 +115,14 @@ def test_quality_against_float(runs):
             agree += q_top == f_top
             total += 1
             max_error = max(max_error, max(abs(q[t] - f[t]) for t in f))
+    return agree, total, max_error
+
+
+def test_quality_against_float(runs):
+    """Teacher-forced next-token predictions over the prompts: top-1
+    agreement and the largest log-probability error, W8A8 vs float; MTP
+    acceptance of both."""
+    agree, total, max_error = _against_float(runs["w8a8"], runs)
     acceptance = {key: _acceptance(runs[key])
                   for key in ("w8a8_k1", "float_mtp_k1", "float_k1")}
     print(f"\nW8A8 vs float over {total} positions: top-1 agreement "
@@ -249,3 +261,34 @@ def test_npu_mtp_outputs_equal_no_mtp(npu_runs, k):
     assert metrics["vllm:num_preemptions"] > 0, metrics
     assert got["inspect"]["param_sums"][
         "model.layers.1.mlp.experts.w13_weight"][2] == "torch.int8"
+
+
+# --- anti-outlier (m4) norm biases -----------------------------------------
+
+
+def test_anti_outlier_norm_biases_are_served(runs, anti_outlier_dirs):
+    """Each checkpoint norm bias is served as loaded; shifted without
+    quantization the model is the float model (a dropped bias leaves the
+    q/k/v compensation alone: log-probabilities off by far more than
+    float32 rounding); W8A8 with the shift is as close to float as
+    without."""
+    for kind in ("float", "w8a8"):
+        served = runs[f"{kind}_ao"]["inspect"]["param_sums"]
+        with safe_open(str(anti_outlier_dirs[kind] / "model.safetensors"),
+                       framework="pt") as f:
+            biases = [n for n in f.keys() if n.endswith("norm.bias")]
+            assert len(biases) == NUM_LAYERS, biases
+            for name in biases:
+                t = f.get_tensor(name).double()
+                assert t.abs().max() > 1e-2, name
+                assert served[name][:2] == pytest.approx(
+                    [t.numel(), t.sum().item()], rel=1e-6, abs=1e-6), name
+    agree, total, max_error = _against_float(runs["float_ao"], runs)
+    assert agree == total and max_error < 1e-3, (agree, total, max_error)
+    assert runs["float_ao"]["outputs"] == runs["float"]["outputs"]
+    agree, total, max_error = _against_float(runs["w8a8_ao"], runs)
+    print(f"\nW8A8 anti-outlier vs float over {total} positions: top-1 "
+          f"agreement {agree / total:.3f}, max log-prob error "
+          f"{max_error:.3f}")
+    assert agree / total >= 0.95
+    assert max_error < 1.0

@@ -85,6 +85,10 @@ class AscendQuantConfig(QuantizationConfig):
             self.description.source, len(self.description.types),
             ", ".join(f"{t} {n}" for t, n in sorted(
                 self.description.type_counts().items())))
+        if self.description.norm_biases:
+            logger.info(
+                "%d norm biases (anti-outlier): every RMSNorm adds its "
+                "bias after the norm.", len(self.description.norm_biases))
 
     def _described(self) -> QuantDescription:
         if self.description is None:

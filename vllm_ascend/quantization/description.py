@@ -4,6 +4,11 @@
 to its quantization type (``FLOAT``, ``W8A8``, ``W8A8_DYNAMIC``,
 ``W4A8_DYNAMIC``); keys without a dot (``model_quant_type``, ``version``)
 describe the file. A layer's method is the type of its ``<prefix>.weight``.
+
+A checkpoint quantized with the anti-outlier method m4 also lists the
+norms' biases (``<norm>.bias``, FLOAT): the activations entering the
+linears were shifted and the linears' biases compensate, so each must be
+loaded (``vllm_ascend.ops.layernorm.AscendRMSNorm.bias``).
 """
 
 import json
@@ -26,6 +31,9 @@ LINEAR_TENSORS = {
            "input_offset", "quant_bias", "deq_scale"),
     W8A8_DYNAMIC: ("weight", "weight_scale", "weight_offset"),
 }
+
+# The name part of a norm's bias (input_layernorm.bias, enorm.bias, ...).
+NORM_BIAS = "norm.bias"
 
 # GLM-4.5's fused modules; a model's own packed_modules_mapping wins.
 DEFAULT_PACKED_MODULES = {
@@ -54,6 +62,10 @@ class QuantDescription:
                     f"{source}: {name} has unknown quantization type "
                     f"{qtype!r}; expected one of {list(KNOWN_TYPES)}. Fix or "
                     "re-export the description file.")
+            if name.endswith(NORM_BIAS) and qtype != FLOAT:
+                raise ValueError(
+                    f"{source}: {name} is {qtype}: a norm bias is added in "
+                    "float after the norm; re-export it as FLOAT.")
             self.types[name] = qtype
         if not self.types:
             raise ValueError(
@@ -77,6 +89,26 @@ class QuantDescription:
         if not isinstance(entries, dict):
             raise ValueError(f"{path} must hold one JSON object.")
         return cls(entries, str(path))
+
+    @property
+    def norm_biases(self) -> list[str]:
+        """The norm biases the description lists (anti-outlier m4)."""
+        return sorted(n for n in self.types if n.endswith(NORM_BIAS))
+
+    def check_norm_biases(self, norm_weights: Iterable[str]) -> None:
+        """Every listed norm bias belongs to a norm of the served model
+        (``norm_weights``: its norms' ``.weight`` names); vLLM's loaders
+        skip a bias that no parameter takes, which would serve the shifted
+        activations without their shift."""
+        norms = set(norm_weights)
+        for name in self.norm_biases:
+            weight = name.removesuffix("bias") + "weight"
+            if weight not in norms:
+                raise ValueError(
+                    f"{self.source} lists {name}, a norm bias (anti-outlier "
+                    "m4) that no norm of the served model takes: it would "
+                    "be dropped; re-export the checkpoint without "
+                    "anti-outlier for this norm, or check the model config.")
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
