@@ -50,6 +50,20 @@ def setup(tmp_path_factory):
     return engine, prompts, sampling, reference
 
 
+@pytest.fixture(scope="module")
+def setup_a3(tmp_path_factory, setup):
+    """``setup`` with a hidden size of 1024, for the fused MC2 kernels on
+    an Atlas A3 (op-plugin 7.2.0 takes H in [1024, 8192] there; an A2
+    takes EP 16 and up only)."""
+    engine, prompts, sampling, _ = setup
+    path = write_random_glm45(tmp_path_factory.mktemp("glm45-h1024"),
+                              head_dim=128, seed=1, hidden_size=1024)
+    engine = dict(engine, model=str(path))
+    reference = run_engine(dict(engine, dtype="bfloat16"), prompts,
+                           dict(sampling, logprobs=2))
+    return engine, prompts, sampling, reference
+
+
 def _npu(setup, inspect=False, env=None, **changes):
     engine, prompts, sampling, _ = setup
     return run_engine(dict(engine, **changes), prompts, sampling,
@@ -143,31 +157,35 @@ def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
                for f, op in sites)
 
 
-@pytest.mark.parametrize("tp,k,ep,method,per_rank", [
-    (2, 2, True, None, [[0, 1, 2], [3]]),
-    (1, 2, True, "allgather", [[0, 4], [1, 2, 3]]),
-    (1, 1, True, "alltoall", [[3], [0, 1, 2]]),
-    (1, 2, False, None, [[1], [0, 2, 3]]),
+@pytest.mark.parametrize("tp,k,ep,method,per_rank,a3", [
+    (2, 2, True, None, [[0, 1, 2], [3]], True),
+    (1, 2, True, "allgather", [[0, 4], [1, 2, 3]], False),
+    (1, 1, True, "alltoall", [[3], [0, 1, 2]], False),
+    (1, 2, False, None, [[1], [0, 2, 3]], False),
 ], ids=["dp2xtp2-ep-k2", "dp2-ep-allgather-k2",
         "dp2-ep-alltoall-k1-eager", "dp2-k2"])
-def test_parallel_mtp_equals_reference(setup, tmp_path, tp, k, ep, method,
-                                       per_rank):
+def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
+                                       method, per_rank, a3):
     """DP=2 (also x TP=2: 4 processes; TP=2 alone runs on the CPU
     reference device) with MTP, with and without expert parallelism, each
     MoE communication method over hccl. With expert parallelism MC2 is the
-    default: the fused dispatch/combine kernels, each TP rank sending its
+    default: the fused dispatch/combine kernels (as an Atlas A3: op-plugin
+    7.2.0's A2 kernels take EP 16 and up), each TP rank sending its
     share of the tokens (a TP rank without one sends a token whose result
     it drops: the kernels take no empty batch). All-to-all reads its
     counts on the host, so it runs eager. The ranks sum expert outputs in
     another order than one rank does, so the comparison with the one-rank
     reference stops at the first near-tie."""
-    engine, prompts, sampling, reference = setup
+    engine, prompts, sampling, reference = (
+        request.getfixturevalue("setup_a3") if a3 else setup)
     engine = dict(engine, enable_expert_parallel=ep,
                   tensor_parallel_size=tp,
                   enforce_eager=method == "alltoall",
                   speculative_config=dict(method="glm4_moe_mtp",
                                           num_speculative_tokens=k))
     env = {**NPU_ENV, TRACE_ENV: str(tmp_path / "trace.txt")}
+    if a3:
+        env["VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION"] = "250"
     if method:
         env["VLLM_ASCEND_MOE_COMM"] = method
     outs = run_dp_engine(engine, [[prompts[i] for i in r] for r in per_rank],
