@@ -147,7 +147,8 @@ METHOD_SITES = {
             ("moe_comm/mc2_kernels.py:",
              "torch_npu.npu_moe_distribute_combine_v2")],
     "alltoall": [("moe_comm/all_to_all.py:", "hccl.alltoall_base")],
-    "allgather": [("moe_comm/all_gather.py:", "hccl.broadcast")],
+    "allgather": [("moe_comm/all_gather.py:", "hccl._allgather_base"),
+                  ("moe_comm/all_gather.py:", "hccl._reduce_scatter_base")],
 }
 
 

@@ -498,6 +498,13 @@ def graph_pool_handle() -> int:
     return id(object())
 
 
+def capturing() -> Optional[EmulatedGraph]:
+    """The graph recording the code running now: none outside a capture
+    and inside a kernel (what a kernel does is not recorded)."""
+    graph_ = EmulatedGraph._capturing
+    return None if graph_ is None or graph_._in_kernel else graph_
+
+
 def _capturing(api: str) -> EmulatedGraph:
     current = EmulatedGraph._capturing
     if current is None:

@@ -172,3 +172,11 @@ class NPUGraph(graph_emulator.EmulatedGraph):
 def current_capture():
     """The graph being captured, if any."""
     return graph_emulator.EmulatedGraph._capturing
+
+
+def uses_communicator(communicator) -> None:
+    """A collective on ``communicator`` (a group's gloo backend under the
+    double) is being captured: the graph takes its streams."""
+    graph = current_capture()
+    if isinstance(graph, NPUGraph):
+        graph.uses_communicator(id(communicator))

@@ -35,9 +35,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vllm_ascend.compilation.graph_emulator import (EmulatedGraph,
-                                                    GraphCaptureError, kernel)
+from vllm_ascend.compilation.graph_emulator import (GraphCaptureError,
+                                                    capturing, kernel)
 
+from . import _graphs
 from ._trace import record
 
 # HCCLUtils.cpp, kScalarTypeToHcclDataType.
@@ -142,10 +143,14 @@ def _run(collective, *args):
     return work
 
 
-def _capturable(name: str) -> None:
-    """Outside a capture any collective runs; in one, only ``CAPTURED``."""
-    graph = EmulatedGraph._capturing
-    if graph is None or graph._in_kernel or name in CAPTURED:
+def _capturable(name: str, communicator) -> None:
+    """Outside a capture any collective runs; in one, only ``CAPTURED``,
+    and the graph takes the communicator's streams."""
+    graph = capturing()
+    if graph is None:
+        return
+    _graphs.uses_communicator(communicator)
+    if name in CAPTURED:
         return
     raise GraphCaptureError(
         f"HCCL {name} during graph capture: no proven ACL graph captures "
@@ -158,7 +163,7 @@ def _launch(collective, *args):
     """One collective on the gloo backend, waited for before the next
     kernel as on a device stream; the caller's wait returns at once. The
     trace records it as ``hccl.<collective>`` at its plugin call site."""
-    _capturable(collective.__name__)
+    _capturable(collective.__name__, collective.__self__)
     record(f"hccl.{collective.__name__}")
     return _run(collective, *args)
 
@@ -310,4 +315,5 @@ def group_of(comm_name: str, op: str) -> HcclContractGroup:
     group = _COMMS.get(comm_name)
     _check(group is not None, f"{op}: {comm_name!r} is not an HCCL "
            "communicator name (get_hccl_comm_name)")
+    _graphs.uses_communicator(group._gloo)
     return group
