@@ -6,7 +6,8 @@ baseline, in one run.
         --out benchmarks/nightly/runs [--model PATH] [--device cpu|npu]
     .venv/bin/python tools/nightly.py --smoke ...    # one config (CI)
     .venv/bin/python tools/nightly.py --device npu --preset original \\
-        --model /home/glm4.5_w8a8_with_float_mtp ... # on an Ascend server
+        --model /home/glm4.5_w8a8_with_float_mtp --prompts prompts.json \\
+        --baseline npu.json --update-baseline        # a new model's first run
 
 Measures, for the model (default: the fixture), in each graph mode: greedy
 tokens with and without MTP against the offline reference (transformers +
@@ -16,13 +17,20 @@ same run (MTP / no MTP, graph / eager), host time per step and the draft's
 cost per target step, memory, and the invariants (the draft runs on the
 target's embedding and LM head; graphs captured and replayed). Writes
 ``nightly-<time>.json`` into --out and the trend page ``trend.html`` over
-every run there; exits 1 on any regression, printing what moved.
-``--update-baseline`` rewrites the baseline's figures from this run (its
-tolerances stay), on purpose only. See benchmarks/README.md.
+every run there; exits 1 on any regression, printing what moved, 2 when
+it cannot measure.
+
+The prompts are ``--prompts FILE``'s, else the model folder's
+``heldout_prompts.json``; without either it refuses to run (acceptance on
+random prompts means nothing). ``--update-baseline`` rewrites the
+baseline's figures from this run, on purpose only; a new baseline (no file,
+or one for another model) is checked with the default tolerances of
+``regress.check.TOLERANCES``. See benchmarks/README.md.
 """
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import sys
@@ -33,7 +41,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchmark_mtp  # noqa: E402
-from regress.check import compare, table  # noqa: E402
+from regress.check import TOLERANCES, compare, table  # noqa: E402
 from regress.figures import collect  # noqa: E402
 from regress.trend import write_trend  # noqa: E402
 
@@ -77,6 +85,71 @@ ORIGINAL_PRESET = {
 }
 
 
+class CannotRun(Exception):
+    """The nightly cannot measure what it is asked to (exit status 2)."""
+
+
+def _tokenize(model: Path, texts: list[str]) -> list[list[int]]:
+    """Token ids of text prompts, as vLLM tokenizes a completion prompt."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return [tokenizer.encode(text) for text in texts]
+
+
+def load_prompts(model: Path,
+                 path: Optional[Path]) -> tuple[list[list[int]], str]:
+    """The prompts the nightly measures: ``path`` (``--prompts``), else the
+    model's ``heldout_prompts.json``, as token ids, and where they came
+    from. Each entry is a string, a list of token ids, or an object with
+    ``token_ids`` (used as is) or ``text`` (the model's tokenizer's ids)."""
+    source = path or model / benchmark_mtp.HELDOUT
+    if not source.is_file():
+        if path is not None:
+            raise CannotRun(f"--prompts {path} does not exist")
+        raise CannotRun(
+            f"no prompts to measure acceptance on: {model} has no "
+            f"{benchmark_mtp.HELDOUT} and no --prompts FILE was given "
+            "(a JSON list of strings); refusing to measure on random prompts")
+    bad = CannotRun(
+        f"{source}: expected a non-empty JSON list of strings, of token id "
+        "lists, or of objects with 'token_ids' or 'text'")
+    try:
+        data = json.loads(source.read_text())
+    except json.JSONDecodeError as e:
+        raise CannotRun(f"{source}: not JSON ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise bad
+    prompts: list[Any] = []
+    texts: dict[int, str] = {}
+    for i, entry in enumerate(data):
+        if isinstance(entry, dict):
+            entry = entry.get("token_ids", entry.get("text"))
+        if isinstance(entry, str) and entry:
+            texts[i] = entry
+        elif not (isinstance(entry, list) and entry and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in entry)):
+            raise bad
+        prompts.append(entry)
+    if texts:
+        for i, ids in zip(texts, _tokenize(model, list(texts.values()))):
+            prompts[i] = ids
+    return prompts, str(source)
+
+
+def _digest(prompts: list[list[int]]) -> str:
+    return hashlib.sha1(json.dumps(prompts).encode()).hexdigest()
+
+
+def plan_name(settings: dict[str, Any]) -> Optional[str]:
+    """Which of PLANS a run's or baseline's settings were measured with."""
+    if settings.get("plan_name") in PLANS:
+        return settings["plan_name"]
+    plan = {**settings.get("plan", {}), "engine": {}}
+    return next((name for name, p in PLANS.items()
+                 if {**dataclasses.asdict(p), "engine": {}} == plan), None)
+
+
 def reference_results(model: Path, prompts: list[list[int]], ks: list[int],
                       new_tokens: int) -> dict[int, dict[str, Any]]:
     """The offline reference's greedy tokens and acceptance per k."""
@@ -88,8 +161,14 @@ def reference_results(model: Path, prompts: list[list[int]], ks: list[int],
                                   reference=ref) for k in ks}
 
 
-def measure(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+def measure(args: argparse.Namespace, plan: Plan,
+            prompts: list[list[int]], source: str) -> dict[str, Any]:
     out_logs = args.out / f"logs-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_logs.mkdir(parents=True, exist_ok=True)
+    # benchmark_mtp takes token id lists from a file.
+    prompts_file = out_logs / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts) + "\n")
+    logger.info("%d prompts from %s", len(prompts), source)
     runs = {}
     for mode, ks in plan.modes.items():
         logger.info("graph mode %s: no MTP and MTP k=%s", mode, ks)
@@ -97,13 +176,12 @@ def measure(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             model=args.model, ks=ks, batch_sizes=plan.batch_sizes,
             new_tokens=plan.new_tokens, repeats=plan.repeats,
             device=args.device, graph_mode=mode, keep_outputs=True,
-            setup=args.setup, engine_overrides=plan.engine)
+            setup=args.setup, engine_overrides=plan.engine,
+            prompts_file=prompts_file)
         runs[mode] = benchmark_mtp.run_benchmark(cfg, out_logs / mode)
     reference = None
     if not args.skip_reference:
         logger.info("offline reference (transformers + plain-torch MTP)")
-        prompts, _ = benchmark_mtp.load_prompts(benchmark_mtp.BenchConfig(
-            model=args.model))
         ks = sorted({k for ks in plan.modes.values() for k in ks})
         # The prompts of the largest batch, whose outputs are compared.
         reference = reference_results(args.model,
@@ -118,7 +196,10 @@ def measure(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "settings": {"model": str(args.model), "device": args.device,
+                         "plan_name": "smoke" if args.smoke else "full",
                          "plan": dataclasses.asdict(plan),
+                         "prompts": {"source": source, "count": len(prompts),
+                                     "sha1": _digest(prompts)},
                          "reference": not args.skip_reference,
                          "setup": args.setup},
             "figures": figures, "details": details, "runs": runs}
@@ -133,6 +214,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    default=ROOT / "benchmarks" / "nightly" / "runs",
                    help="directory for the run's JSON and the trend page")
     p.add_argument("--model", type=Path, default=benchmark_mtp.DEFAULT_MODEL)
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSON list of prompts (strings, token id lists, or "
+                   "heldout_prompts.json's objects); default: the model's "
+                   "heldout_prompts.json")
     p.add_argument("--device", choices=["cpu", "npu"], default="cpu",
                    help="npu: an Ascend server, or the torch_npu double "
                    "with VLLM_ASCEND_NPU_DOUBLE=1")
@@ -149,9 +234,41 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="check an earlier run's JSON instead of measuring")
     p.add_argument("--update-baseline", action="store_true",
                    help="write this run's figures into --baseline (its "
-                   "tolerances stay)")
+                   "tolerances stay; a new baseline, or one for another "
+                   "model, gets the default tolerances)")
     p.add_argument("--setup", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _same_model(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and (
+        Path(a).resolve() == Path(b).resolve())
+
+
+def update_baseline(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """The baseline with this run's figures. One for the same model keeps
+    its note and its own tolerances; a new one (no file, or another model)
+    has none: the default tolerances of its plan apply."""
+    old = json.loads(path.read_text()) if path.is_file() else None
+    model = result["settings"].get("model")
+    if old is not None and _same_model(old.get("settings", {}).get("model"),
+                                       model):
+        baseline = old
+        logger.info("baseline %s rewritten from this run", path)
+    else:
+        baseline = {"note": f"Written by tools/nightly.py --update-baseline "
+                    f"for {model}. Tolerances: the defaults of "
+                    "tools/regress/check.py (TOLERANCES) for its plan; a "
+                    "'tolerances' list here would be checked first."}
+        logger.info("new baseline %s for %s (%s), default tolerances", path,
+                    model, "replacing one for " +
+                    str(old.get("settings", {}).get("model"))
+                    if old is not None else "no earlier file")
+    baseline.update(created=result["created"], settings=result["settings"],
+                    figures=result["figures"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(baseline, indent=1) + "\n")
+    return baseline
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -159,6 +276,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (CannotRun, ValueError) as e:
+        print(f"nightly: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     plan = PLANS["smoke" if args.smoke else "full"]
     if args.baseline is None:
         args.baseline = (ROOT / "benchmarks" / "nightly" /
@@ -166,35 +291,39 @@ def main(argv: Optional[list[str]] = None) -> int:
                           if args.smoke else "baseline.json"))
     if args.preset == "original":
         if args.device != "npu":
-            raise SystemExit("nightly: --preset original needs --device npu "
-                             "(8 NPUs for TP 8)")
+            raise CannotRun("--preset original needs --device npu (8 NPUs "
+                            "for TP 8)")
         plan = dataclasses.replace(plan, engine=ORIGINAL_PRESET)
     if not args.baseline.is_file() and not args.update_baseline:
-        raise SystemExit(f"nightly: no baseline {args.baseline}; write one "
-                         "with --update-baseline")
-    args.out.mkdir(parents=True, exist_ok=True)
+        raise CannotRun(f"no baseline {args.baseline}; write one with "
+                        "--update-baseline")
     if args.compare:
         result = json.loads(args.compare.read_text())
     else:
-        try:
-            result = measure(args, plan)
-        except ValueError as e:
-            raise SystemExit(f"nightly: {e}") from None
-    baseline = (json.loads(args.baseline.read_text())
-                if args.baseline.is_file() else {"tolerances": []})
+        benchmark_mtp.BenchConfig(model=args.model).validate()
+        prompts, source = load_prompts(args.model, args.prompts)
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = measure(args, plan, prompts, source)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.update_baseline:
-        baseline.update(created=result["created"],
-                        settings=result["settings"],
-                        figures=result["figures"])
-        args.baseline.parent.mkdir(parents=True, exist_ok=True)
-        args.baseline.write_text(json.dumps(baseline, indent=1) + "\n")
-        logger.info("baseline %s rewritten from this run", args.baseline)
-    rows = compare(result["figures"], baseline)
+        baseline = update_baseline(args.baseline, result)
+    else:
+        baseline = json.loads(args.baseline.read_text())
+    defaults = TOLERANCES[plan_name(baseline.get("settings", {}))
+                          or plan_name(result["settings"])
+                          or ("smoke" if args.smoke else "full")]
+    rows = compare(result["figures"], baseline, defaults)
     result["regressions"] = [r.name for r in rows if r.regression]
     if not args.compare:
         path = args.out / f"nightly-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"run: {path}")
+    was = baseline.get("settings", {}).get("prompts", {})
+    now = result["settings"].get("prompts", {})
+    if was.get("sha1") and now.get("sha1") and was["sha1"] != now["sha1"]:
+        print(f"nightly: note: the baseline was measured on other prompts "
+              f"({was.get('source')}, {was.get('count')}) than this run "
+              f"({now.get('source')}, {now.get('count')})")
     print(table(rows))
     for tag, acc in result["details"].get("accuracy", {}).items():
         for prompt, where in acc["first_divergence"].items():

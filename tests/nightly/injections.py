@@ -51,6 +51,30 @@ def own_head() -> None:
     AscendMtpProposer.load_model = load_with_own_head
 
 
+def damaged_mtp_layer() -> None:
+    """The MTP layer's input projection (``eh_proj``, the layer's own
+    weights: not shared with the target) gets seeded noise of twice its
+    spread, as a corrupted checkpoint shard would: the draft guesses worse,
+    the greedy outputs stay the target's."""
+    import torch
+    from vllm_ascend.spec_decode.mtp_proposer import AscendMtpProposer
+    load_model = AscendMtpProposer.load_model
+
+    def load_damaged(self, target_model):
+        load_model(self, target_model)
+        # Under graphs the draft is wrapped; its module is the runnable.
+        model = getattr(self.model, "runnable", self.model)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".eh_proj." in name:
+                    noise = torch.randn(param.shape, generator=generator)
+                    param.add_(2 * param.float().std() *
+                               noise.to(param.device, param.dtype))
+
+    AscendMtpProposer.load_model = load_damaged
+
+
 def all_kinds() -> None:
     """Every kind at once (one engine run in CI instead of three); each
     shows in its own figures."""

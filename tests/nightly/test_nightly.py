@@ -1,8 +1,11 @@
 """The nightly run: a clean smoke run passes against the committed smoke
-baseline, and a run with regressions injected fails, naming each."""
+baseline, and a run with regressions injected fails, naming each; a new
+model's first baseline takes the default tolerances, so that its rerun
+passes and a damaged MTP layer fails; the prompts are the user's."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,17 +16,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from regress.check import check_figure, compare  # noqa: E402
+import nightly  # noqa: E402
+from regress.check import TOLERANCES, check_figure, compare  # noqa: E402
 
 NIGHTLY = ROOT / "tools" / "nightly.py"
-SMOKE_BASELINE = ROOT / "benchmarks" / "nightly" / "baseline-smoke.json"
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
+HELDOUT = "heldout_prompts.json"
+BASELINES = ROOT / "benchmarks" / "nightly"
+SMOKE_BASELINE = BASELINES / "baseline-smoke.json"
 MODE = "FULL_AND_PIECEWISE"
 
 
-def _nightly(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _nightly(out: Path, *args: str,
+             baseline: Path = SMOKE_BASELINE) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(NIGHTLY), "--smoke", "--baseline",
-         str(SMOKE_BASELINE), "--out", str(out), *args],
+         str(baseline), "--out", str(out), *args],
         capture_output=True, text=True, timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -131,6 +139,132 @@ def test_tolerance_kinds():
     assert rows[0].regression and rows[0].status == "REGRESSION"
 
 
+def test_committed_baselines_use_the_default_tolerances():
+    """The tolerances live in one place, regress.check.TOLERANCES: the
+    committed baselines name their plan and carry none of their own."""
+    for name, plan in (("baseline.json", "full"),
+                       ("baseline-smoke.json", "smoke")):
+        baseline = json.loads((BASELINES / name).read_text())
+        assert "tolerances" not in baseline, name
+        assert nightly.plan_name(baseline["settings"]) == plan
+    assert TOLERANCES["smoke"] != TOLERANCES["full"]
+
+
+def test_update_baseline_for_another_model_takes_the_defaults(tmp_path):
+    run = {"created": "now", "figures": {"memory.x.peak_rss_mib": 1200.0},
+           "settings": {"model": str(tmp_path / "new"), "plan_name": "smoke"}}
+    path = tmp_path / "baseline.json"
+    own = [{"match": "memory.*", "kind": "exact"}]
+    # One for another model, with its own tolerances: replaced.
+    path.write_text(json.dumps({"tolerances": own, "figures": {}, "settings":
+                                {"model": str(FIXTURE)}}))
+    written = nightly.update_baseline(path, run)
+    assert "tolerances" not in written
+    assert json.loads(path.read_text()) == written
+    # Peak RSS 30 MiB up is within the default 25%.
+    rss = compare({"memory.x.peak_rss_mib": 1230.0}, written,
+                  TOLERANCES["smoke"])
+    assert not rss[0].regression
+    # The same model's baseline keeps its own tolerances.
+    path.write_text(json.dumps({**written, "tolerances": own}))
+    assert nightly.update_baseline(path, run)["tolerances"] == own
+
+
+def test_prompt_formats(tmp_path):
+    heldout = json.loads((FIXTURE / HELDOUT).read_text())
+    ids = [p["token_ids"] for p in heldout[:3]]
+    for data in ([p["text"] for p in heldout[:3]], heldout[:3], ids,
+                 [{"text": p["text"]} for p in heldout[:3]]):
+        path = tmp_path / "prompts.json"
+        path.write_text(json.dumps(data))
+        assert nightly.load_prompts(FIXTURE, path) == (ids, str(path))
+    assert nightly.load_prompts(FIXTURE, None) == (
+        [p["token_ids"] for p in heldout], str(FIXTURE / HELDOUT))
+    for bad in ([], [[]], [1, 2], {"a": 1}, [[1, "x"]]):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(nightly.CannotRun, match="expected a non-empty"):
+            nightly.load_prompts(FIXTURE, path)
+
+
+def test_no_prompts_is_refused_in_one_line(tmp_path):
+    """A model without heldout_prompts.json and no --prompts: no engine
+    starts, no baseline is written, one line says why (exit status 2)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(FIXTURE / "config.json", model)
+    baseline = tmp_path / "baseline.json"
+    proc = _nightly(tmp_path / "out", "--model", str(model),
+                    "--update-baseline", baseline=baseline)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"nightly: no prompts to measure acceptance on: {model} has no "
+        f"{HELDOUT} and no --prompts FILE was given (a JSON list of "
+        "strings); refusing to measure on random prompts"]
+    assert not baseline.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def new_model_runs(tmp_path_factory):
+    """A new model as a user brings one: the fixture's weights in another
+    folder without heldout_prompts.json, eight prompts as a JSON list of
+    strings. Three smoke runs side by side: the first writes a new baseline
+    (no file yet), the second (the unchanged model) and the third (a
+    damaged MTP layer) write their own and are then checked against the
+    first's with --compare."""
+    root = tmp_path_factory.mktemp("new-model")
+    model = root / "model"
+    shutil.copytree(FIXTURE, model,
+                    ignore=shutil.ignore_patterns(HELDOUT, "README.md"))
+    prompts = root / "prompts.json"
+    heldout = json.loads((FIXTURE / HELDOUT).read_text())
+    prompts.write_text(json.dumps([p["text"] for p in heldout[:8]]))
+    args = ("--model", str(model), "--prompts", str(prompts),
+            "--update-baseline")
+    jobs = {"first": (), "rerun": (),
+            "damaged": ("--setup", "tests.nightly.injections:"
+                        "damaged_mtp_layer")}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(_nightly, root / name, *args, *extra,
+                                     baseline=root / f"{name}.json")
+                   for name, extra in jobs.items()}
+        procs = {name: f.result() for name, f in futures.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, proc.stdout[-3000:] +
+                                      proc.stderr[-3000:])
+    checks = {}
+    for name in ("rerun", "damaged"):
+        run = next((root / name).glob("nightly-*.json"))
+        checks[name] = subprocess.run(
+            [sys.executable, str(NIGHTLY), "--compare", str(run),
+             "--baseline", str(root / "first.json"), "--out",
+             str(root / name)], capture_output=True, text=True, timeout=120)
+    return root, checks
+
+
+def test_new_models_baseline_passes_its_rerun(new_model_runs):
+    root, checks = new_model_runs
+    baseline = json.loads((root / "first.json").read_text())
+    assert "tolerances" not in baseline
+    assert baseline["settings"]["prompts"]["source"] == str(
+        root / "prompts.json")
+    assert baseline["settings"]["prompts"]["count"] == 8
+    assert baseline["figures"][f"accuracy.{MODE}.k1.prompts_equal"] == 8
+    proc = checks["rerun"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nightly: no regression" in proc.stdout
+
+
+def test_new_models_baseline_catches_a_damaged_mtp_layer(new_model_runs):
+    _, checks = new_model_runs
+    proc = checks["damaged"]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    regressions = _regressions(proc)
+    assert f"acceptance.{MODE}.k1.rate" in regressions, regressions
+    # The target's tokens and the draft's sharing are untouched.
+    assert not any(n.startswith(("accuracy", "invariant"))
+                   for n in regressions), regressions
+
+
 @pytest.mark.npu
 @pytest.mark.skipif(
     not os.environ.get("VLLM_ASCEND_NIGHTLY_NPU_MODEL"),
@@ -138,13 +272,17 @@ def test_tolerance_kinds():
     "named by VLLM_ASCEND_NIGHTLY_NPU_MODEL")
 def test_nightly_on_npu_with_the_original_preset(tmp_path):
     """The first run on a server writes its baseline; the second must pass
-    against it (same machine, same checkpoint)."""
+    against it (same machine, same checkpoint). The prompts: the fixture's
+    held-out texts, tokenized by the checkpoint's tokenizer."""
     baseline = tmp_path / "baseline-npu.json"
-    baseline.write_text(SMOKE_BASELINE.read_text())
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(
+        [p["text"] for p in json.loads((FIXTURE / HELDOUT).read_text())]))
     args = [sys.executable, str(NIGHTLY), "--device", "npu", "--preset",
             "original", "--skip-reference", "--model",
-            os.environ["VLLM_ASCEND_NIGHTLY_NPU_MODEL"], "--baseline",
-            str(baseline), "--out", str(tmp_path / "runs")]
+            os.environ["VLLM_ASCEND_NIGHTLY_NPU_MODEL"], "--prompts",
+            str(prompts), "--baseline", str(baseline), "--out",
+            str(tmp_path / "runs")]
     first = subprocess.run(args + ["--update-baseline"], capture_output=True,
                            text=True)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
