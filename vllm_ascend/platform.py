@@ -25,9 +25,11 @@ _choice = device.current()
 # defaults to 16 so that small test caches still have many blocks.
 DEFAULT_BLOCK_SIZE = 128 if _choice.is_npu else 16
 # npu_fused_infer_attention_score with a paged KV cache: block_size a
-# multiple of 128 in [128, 512]; query, key and value float16 or bfloat16.
+# multiple of 128 in [128, 512]; in the TND layout (head dim != 512) query,
+# key and value bfloat16 only (op-plugin 7.2.0
+# docs/context/torch_npu-npu_fused_infer_attention_score.md:224).
 NPU_BLOCK_SIZE_MULTIPLE, NPU_BLOCK_SIZE_RANGE = 128, (128, 512)
-NPU_DTYPES = [torch.bfloat16, torch.float16]
+NPU_DTYPES = [torch.bfloat16]
 # Its TND layout with more than one query token per request (prefill,
 # verification) takes head dims 128 or 192; GLM-4.5's is 128.
 NPU_HEAD_SIZES = (128, 192)
@@ -204,8 +206,8 @@ def _check_npu_limits(vllm_config: "VllmConfig") -> None:
     if model_config is not None and model_config.dtype not in NPU_DTYPES:
         raise ValueError(
             f"dtype {model_config.dtype} is not supported on the Ascend NPU "
-            "(the fused attention takes float16 or bfloat16): use --dtype "
-            "bfloat16 or --dtype float16.")
+            "(the fused attention's TND layout takes bfloat16 only): use "
+            "--dtype bfloat16.")
     if (model_config is not None
             and model_config.get_head_size() not in NPU_HEAD_SIZES):
         raise ValueError(

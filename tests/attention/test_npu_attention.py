@@ -117,3 +117,67 @@ def test_builder_reads_host_lengths_without_a_device_sync():
     # Draft steps 2..k: only the device lengths are exact (patch 0008).
     common.seq_lens = torch.tensor([4, 8], dtype=torch.int32)
     assert builder.build_for_drafting(common, 1).seq_lens_list == [4, 8]
+
+
+def test_full_graph_tasks_share_one_workspace(npu_ops):
+    """In a full graph the fused attention is a task: its capture and every
+    update pass the one workspace ``_get_max_workspace`` gave the graph
+    (the double refuses a graph launch or update without it, or with
+    another one); the updated replay attends with the new lengths."""
+    from vllm_ascend.compilation import attention_tasks, graph_emulator
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    key_cache = torch.randn(8, BLOCK, KV_HEADS, DIM).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    query = torch.randn(4, HEADS, DIM).to(dtype)
+    outputs = [torch.zeros_like(query) for _ in range(2)]
+    slots = torch.full((4, ), -1, dtype=torch.int64)
+    # Captured as two requests of 2 tokens; replayed as 1 + 3.
+    captured = _metadata([2, 2], [131, 3], block_tables, slots)
+    replayed = _metadata([1, 3], [7, 200], block_tables, slots)
+
+    graph = graph_emulator.NPUGraph()
+    tasks: list[attention_tasks.AttentionTask] = []
+    with graph_emulator.graph(graph), attention_tasks.collecting(tasks):
+        for i, out in enumerate(outputs):
+            attention_tasks.launch_task(f"layer.{i}", npu_ops, query,
+                                        key_cache, value_cache, captured,
+                                        DIM**-0.5, out)
+    assert len(tasks) == 2 and tasks[0].workspace is not None
+    assert tasks[1].workspace is tasks[0].workspace
+
+    attention_tasks.update_tasks(tasks, {
+        "layer.0": replayed,
+        "layer.1": replayed
+    })
+    graph.replay()
+    want = torch.empty_like(query)
+    ReferencePagedAttention().attention(query, key_cache, value_cache,
+                                        replayed, DIM**-0.5, want)
+    for out in outputs:
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2,
+                                   atol=2e-2)
+    # An idle DP rank's replay: not updated, the captured workspace stays.
+    attention_tasks.update_tasks(tasks, None)
+    graph.replay()
+
+
+def test_npu_refuses_float16_at_startup():
+    """The fused attention's TND layout is bfloat16 only (op-plugin 7.2.0
+    torch_npu-npu_fused_infer_attention_score.md:224): ``--dtype float16``
+    fails at startup in one line that says what to use."""
+    from types import SimpleNamespace
+
+    from vllm_ascend import platform
+    model_config = SimpleNamespace(dtype=torch.float16, quantization=None,
+                                   get_head_size=lambda: DIM)
+    config = SimpleNamespace(model_config=model_config,
+                             cache_config=SimpleNamespace(block_size=BLOCK))
+    with pytest.raises(ValueError) as error:
+        platform._check_npu_limits(config)
+    assert str(error.value) == (
+        "dtype torch.float16 is not supported on the Ascend NPU (the fused "
+        "attention's TND layout takes bfloat16 only): use --dtype bfloat16.")
+    model_config.dtype = torch.bfloat16
+    platform._check_npu_limits(config)

@@ -67,12 +67,84 @@ def test_attention_valid_call_matches_dense(tnpu):
 
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=torch.float32), "query dtype"),
+    (dict(dtype=torch.float16), "TND .* supports bfloat16 only"),
     (dict(block_size=16), "block_size=16"),
     (dict(head_dim=32), "head dim 128 or 192"),
-], ids=["float32-query", "block-size-16", "head-dim-32"])
+], ids=["float32-query", "float16-tnd", "block-size-16", "head-dim-32"])
 def test_attention_documented_limits(tnpu, change, match):
     with pytest.raises(RuntimeError, match=match):
         _fia(tnpu, _attention_args(**change))
+    # The workspace query makes the op's checks too.
+    (q, k, v), kwargs = _attention_args(**change)
+    with pytest.raises(RuntimeError, match=match):
+        tnpu._npu_fused_infer_attention_score_get_max_workspace(
+            q, k, v, **kwargs)
+
+
+def test_attention_max_workspace(tnpu):
+    """``_npu_fused_infer_attention_score_get_max_workspace``: the op's
+    schema without ``out``, a 1-D tensor of query's dtype."""
+    (q, k, v), kwargs = _attention_args()
+    workspace = tnpu._npu_fused_infer_attention_score_get_max_workspace(
+        q, k, v, **kwargs)
+    assert workspace.dim() == 1 and workspace.dtype == q.dtype
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        tnpu._npu_fused_infer_attention_score_get_max_workspace(
+            q, k, v, **kwargs, workspace=workspace)
+    with pytest.raises(RuntimeError, match="cumulative"):
+        tnpu._npu_fused_infer_attention_score_get_max_workspace(
+            q, k, v, **{**kwargs, "actual_seq_lengths": [3, 1]})
+
+
+def _captured_attention(tnpu, workspace):
+    """One ``.out`` launch captured in a task group, as the plugin's full
+    graphs do; returns (graph, handle, event, args, out)."""
+    (q, k, v), kwargs = args = _attention_args()
+    out = [torch.empty_like(q), torch.empty(1)]
+    graph = torch.npu.NPUGraph()
+    event = torch.npu.ExternalEvent()
+    with torch.npu.graph(graph):
+        event.wait(None)
+        event.reset(None)
+        torch.npu.graph_task_group_begin(None)
+        tnpu.npu_fused_infer_attention_score.out(q, k, v, **kwargs,
+                                                 workspace=workspace, out=out)
+        handle = torch.npu.graph_task_group_end(None)
+    return graph, handle, event, args, out
+
+
+def test_attention_out_in_graphs_needs_the_captured_workspace(tnpu):
+    """Captured and updated ``.out`` launches pass the workspace of
+    ``_get_max_workspace``, the same one each time (op-plugin 7.2.0
+    torch_npu-npu-graph_task_group_begin.md:68-80, task_update_begin.md:
+    71-91; without it the task keeps a workspace freed after the call)."""
+    (q, k, v), kwargs = _attention_args()
+    with pytest.raises(RuntimeError, match="capture without workspace"):
+        with torch.npu.graph(torch.npu.NPUGraph()):
+            tnpu.npu_fused_infer_attention_score.out(
+                q, k, v, **kwargs, out=[torch.empty_like(q), torch.empty(1)])
+
+    workspace = tnpu._npu_fused_infer_attention_score_get_max_workspace(
+        q, k, v, **kwargs)
+    graph, handle, event, ((q, k, v), kwargs), out = _captured_attention(
+        tnpu, workspace)
+    # The second request now has 2 query tokens of its 131.
+    new = {**kwargs, "actual_seq_lengths": [2, 4],
+           "actual_seq_lengths_kv": [5, 131]}
+    other = workspace.clone()
+    torch.npu.graph_task_update_begin(None, handle)
+    with pytest.raises(RuntimeError, match="task update without workspace"):
+        tnpu.npu_fused_infer_attention_score.out(q, k, v, **new, out=out)
+    with pytest.raises(RuntimeError, match="not the captured launch's"):
+        tnpu.npu_fused_infer_attention_score.out(q, k, v, **new,
+                                                 workspace=other, out=out)
+    tnpu.npu_fused_infer_attention_score.out(q, k, v, **new,
+                                             workspace=workspace, out=out)
+    torch.npu.graph_task_update_end(None)
+    event.record(None)
+    graph.replay()
+    want, _ = tnpu.npu_fused_infer_attention_score(q, k, v, **new)
+    torch.testing.assert_close(out[0], want)
 
 
 def test_attention_out_variant_writes_into_out(tnpu):
@@ -195,19 +267,21 @@ def test_rotary_mul_contracts(tnpu):
 
 
 def test_gating_top_k_contracts(tnpu):
-    logits = torch.randn(6, 16)
-    bias = torch.randn(16)
-    ok = dict(k=4, bias=bias, k_group=2, group_count=4, group_select_mode=1,
+    # DeepSeek-V3's pattern, the one CANN 8.3 runs: 256 experts in 8
+    # groups, the best 4 groups, 8 experts.
+    logits = torch.randn(6, 256)
+    bias = torch.randn(256)
+    ok = dict(k=8, bias=bias, k_group=4, group_count=8, group_select_mode=1,
               renorm=0, norm_type=1, out_flag=False,
               routed_scaling_factor=1.0, eps=1e-20)
     y, ids, _ = tnpu.npu_moe_gating_top_k(logits, **ok)
-    assert ids.dtype == torch.int32 and y.shape == (6, 4)
+    assert ids.dtype == torch.int32 and y.shape == (6, 8)
     torch.testing.assert_close(y.sum(-1), torch.ones(6))
     for change, match in [
         (dict(renorm=1), "renorm"),
-        (dict(group_count=8), "quotient > 2"),
-        (dict(k=9), "k=9"),
-        (dict(k_group=5), "k_group"),
+        (dict(group_count=128), "quotient > 2"),
+        (dict(k=129), "k=129"),
+        (dict(k_group=9), "k_group"),
         (dict(bias=bias.half()), "dtype of x and bias"),
     ]:
         with pytest.raises(RuntimeError, match=match):
@@ -215,6 +289,14 @@ def test_gating_top_k_contracts(tnpu):
     with pytest.raises(RuntimeError, match="2048"):
         tnpu.npu_moe_gating_top_k(torch.randn(2, 4096), 4, bias=None,
                                   group_count=1)
+    # GLM-4.5's 160 experts: documented (at most 2048), but CANN 8.3 takes
+    # the 256-expert pattern only (vllm-ascend v0.11.0 experts_selector.py).
+    for groups, k_group in [(1, 1), (8, 4)]:
+        with pytest.raises(RuntimeError, match="160 experts.*256-expert"):
+            tnpu.npu_moe_gating_top_k(
+                torch.randn(6, 160), **{**ok, "bias": torch.randn(160),
+                                        "group_count": groups,
+                                        "k_group": k_group})
 
 
 def _routing(tnpu, x, ids, **changes):
@@ -376,3 +458,24 @@ def test_grouped_matmul_int8(tnpu):
         tnpu.npu_grouped_matmul([x], [w.to(BF16)], **gm)
     with pytest.raises(RuntimeError, match="transposition"):
         tnpu.npu_grouped_matmul([x.t().contiguous().t()], [w], **gm)
+
+
+def test_no_float64_on_the_device(tnpu):
+    """The NPU runs no float64 kernels. Inside ``with torch.device(...)``
+    of the double's NPU (how vLLM builds the model) a factory without a
+    device, or an op on such a device tensor, that makes float64 fails;
+    host work that names its device does not."""
+    with torch.device("cpu"):
+        with pytest.raises(RuntimeError, match="float64 tensor on the NPU"):
+            torch.arange(4, dtype=torch.float64)
+        with pytest.raises(RuntimeError, match="float64 tensor on the NPU"):
+            torch.tensor([0.5], dtype=torch.float64)
+        x = torch.ones(3)
+        with pytest.raises(RuntimeError, match="float64 tensor on the NPU"):
+            x.double()
+        with pytest.raises(RuntimeError, match="float64 tensor on the NPU"):
+            torch.outer(x, torch.ones(2, dtype=torch.float64, device="cpu"))
+        host = torch.arange(4, dtype=torch.float64, device="cpu").cos()
+        assert x.add(host.float().sum()).dtype == torch.float32
+    # Outside a device context tensors are host tensors.
+    assert torch.arange(4, dtype=torch.float64).dtype == torch.float64

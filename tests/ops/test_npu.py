@@ -5,6 +5,8 @@ contract double, which checks each call against the op's documentation
 before it computes.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -76,15 +78,24 @@ def test_partial_rotary(dtype, neox):
         close(a, b, dtype)
 
 
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (8, 4)])
-def test_glm_routing(n_group, topk_group):
-    logits = rand(16, 160)
-    bias = rand(160, seed=1) * 0.1
+@pytest.mark.parametrize("num_experts,n_group,topk_group,kernel", [
+    (160, 1, 1, False), (160, 8, 4, False), (256, 8, 4, True),
+    (256, 1, 1, True)
+], ids=["glm-160-1-1", "glm-160-8-4", "deepseek-256-8-4", "256-1-1"])
+def test_sigmoid_routing(torch_npu_module, num_experts, n_group, topk_group,
+                         kernel):
+    """npu_moe_gating_top_k where CANN 8.3 takes it (256 experts, as
+    vllm-ascend v0.11.0 calls it); GLM-4.5's 160 experts on torch."""
+    logits = rand(16, num_experts)
+    bias = rand(num_experts, seed=1) * 0.1
     kwargs = dict(renormalize=True, use_grouped_topk=True,
                   num_expert_group=n_group, topk_group=topk_group,
                   scoring_func="sigmoid", routed_scaling_factor=1.0,
                   e_score_correction_bias=bias)
-    w_npu, ids_npu = routing._select_experts_npu(logits, 8, **kwargs)
+    with mock.patch.object(torch_npu_module, "npu_moe_gating_top_k",
+                           wraps=torch_npu_module.npu_moe_gating_top_k) as op:
+        w_npu, ids_npu = routing._select_experts_npu(logits, 8, **kwargs)
+    assert op.called == kernel
     w_ref, ids_ref = routing.select_experts_ref(logits, 8, **kwargs)
     ids_npu, order_npu = ids_npu.cpu().sort(-1)
     ids_ref, order_ref = ids_ref.cpu().sort(-1)

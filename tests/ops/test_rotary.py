@@ -100,3 +100,23 @@ def test_wrong_token_count_is_a_clear_error():
     with pytest.raises(ValueError, match="one position per token"):
         rope_ops.rotary_embedding_ref(torch.arange(3), torch.randn(2, 32),
                                       None, cache, 16, True)
+
+
+def test_exact_cache_is_computed_on_the_host(vllm_config):
+    """vLLM builds the model inside ``with torch.device(<accelerator>)``:
+    the float64 angles must not be computed there (the NPU has no float64
+    kernels, and the torch_npu double refuses float64 on its device); the
+    float32 table lands on the device."""
+    from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+    with torch_npu_in_process():
+        with torch.device("npu" if REAL_NPU else "cpu"):
+            rope = rope_ops.AscendRotaryEmbedding(HEAD, HEAD // 2, 4096, BASE,
+                                                  True, torch.float32)
+    cache = rope.cos_sin_cache_f32
+    assert cache.dtype == torch.float32
+    assert cache.device == rope.cos_sin_cache.device
+    rot = HEAD // 2
+    inv = BASE**(-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    angles = torch.arange(4096, dtype=torch.float64)[:, None] * inv
+    want = torch.cat((angles.cos(), angles.sin()), -1).float()
+    assert torch.equal(cache.cpu(), want)

@@ -7,7 +7,7 @@ devices. The reference loops over requests; it is written for exactness,
 not speed.
 """
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
@@ -28,15 +28,31 @@ class PagedAttentionOps(Protocol):
                        slot_mapping: torch.Tensor) -> None:
         ...
 
-    def launch(self, query: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, block_table: torch.Tensor,
-               query_ends: list[int], seq_lens: list[int], scale: float,
-               output: torch.Tensor) -> None:
+    def launch(self,
+               query: torch.Tensor,
+               key_cache: torch.Tensor,
+               value_cache: torch.Tensor,
+               block_table: torch.Tensor,
+               query_ends: list[int],
+               seq_lens: list[int],
+               scale: float,
+               output: torch.Tensor,
+               workspace: Optional[torch.Tensor] = None) -> None:
         """One attention kernel launch: causal attention of each request's
         query tokens (the last ``q_len`` positions of its ``seq_len``) over
         its paged context. ``query_ends`` (cumulative query lengths) and
         ``seq_lens`` are host arguments, as the NPU kernel takes them: a
-        captured launch keeps them until a task update replaces them."""
+        captured launch keeps them until a task update replaces them.
+        ``workspace`` (from :meth:`max_workspace`) is the kernel's scratch
+        memory: a captured launch and all its task updates pass the same."""
+        ...
+
+    def max_workspace(self, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, block_table: torch.Tensor,
+                      query_ends: list[int], seq_lens: list[int],
+                      scale: float) -> Optional[torch.Tensor]:
+        """The scratch memory a captured launch with these arguments (and
+        its updates) needs, or None for a kernel that needs none."""
         ...
 
     def attention(self, query: torch.Tensor, key_cache: torch.Tensor,
@@ -104,10 +120,22 @@ class ReferencePagedAttention(_Attention):
         _reference_write_kv_cache(key, value, key_cache, value_cache,
                                   slot_mapping)
 
-    def launch(self, query, key_cache, value_cache, block_table, query_ends,
-               seq_lens, scale, output) -> None:
+    def launch(self,
+               query,
+               key_cache,
+               value_cache,
+               block_table,
+               query_ends,
+               seq_lens,
+               scale,
+               output,
+               workspace=None) -> None:
         _reference_attention(query, key_cache, value_cache, block_table,
                              query_ends, seq_lens, scale, output)
+
+    def max_workspace(self, query, key_cache, value_cache, block_table,
+                      query_ends, seq_lens, scale) -> None:
+        return None
 
 
 class NpuPagedAttention(_Attention):
@@ -140,24 +168,52 @@ class NpuPagedAttention(_Attention):
                                          value_cache=value_cache,
                                          slot_indices=slot_mapping.int())
 
-    def launch(self, query, key_cache, value_cache, block_table, query_ends,
-               seq_lens, scale, output) -> None:
+    def _arguments(self, query, key_cache, value_cache, block_table,
+                   query_ends, seq_lens, scale) -> dict[str, Any]:
+        """The fused attention's arguments (TND, paged KV cache viewed as
+        (blocks, block_size, KV_N * D), causal mask of sparse_mode 3)."""
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        return dict(query=query,
+                    key=key_cache.view(num_blocks, block_size, -1),
+                    value=value_cache.view(num_blocks, block_size, -1),
+                    atten_mask=self._causal_mask(query.device),
+                    block_table=block_table,
+                    input_layout="TND",
+                    block_size=block_size,
+                    actual_seq_lengths=query_ends,
+                    actual_seq_lengths_kv=seq_lens,
+                    num_key_value_heads=num_kv_heads,
+                    num_heads=query.shape[1],
+                    scale=scale,
+                    sparse_mode=3)
+
+    def max_workspace(self, query, key_cache, value_cache, block_table,
+                      query_ends, seq_lens, scale) -> torch.Tensor:
+        # What a captured launch and its task updates pass as workspace=
+        # (torch_npu-npu-graph_task_group_begin.md, op-plugin 7.2.0): without
+        # one the kernel's workspace is freed when the launch returns.
+        # The out tensors first: a task group holds the kernel only.
+        self._softmax_lse(query.device)
         import torch_npu
-        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        return torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+            **self._arguments(query, key_cache, value_cache, block_table,
+                              query_ends, seq_lens, scale))
+
+    def launch(self,
+               query,
+               key_cache,
+               value_cache,
+               block_table,
+               query_ends,
+               seq_lens,
+               scale,
+               output,
+               workspace=None) -> None:
+        import torch_npu
         torch_npu.npu_fused_infer_attention_score.out(
-            query,
-            key_cache.view(num_blocks, block_size, -1),
-            value_cache.view(num_blocks, block_size, -1),
-            atten_mask=self._causal_mask(query.device),
-            block_table=block_table,
-            input_layout="TND",
-            block_size=block_size,
-            actual_seq_lengths=query_ends,
-            actual_seq_lengths_kv=seq_lens,
-            num_key_value_heads=num_kv_heads,
-            num_heads=query.shape[1],
-            scale=scale,
-            sparse_mode=3,
+            **self._arguments(query, key_cache, value_cache, block_table,
+                              query_ends, seq_lens, scale),
+            workspace=workspace,
             out=[output.view(query.shape), self._softmax_lse(query.device)],
         )
 

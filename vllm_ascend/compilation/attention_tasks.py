@@ -11,7 +11,13 @@ run, padded to the captured batch, and records the event. A replay that was
 not updated fails at the wait instead of attending with stale lengths.
 
 The tasks of a graph live with that graph (its wrapper's entry), so the
-target's and the draft's graphs never share a parameter store.
+target's and the draft's graphs never share a parameter store. So does the
+kernel's workspace: each graph (one captured size of one role, target or
+draft) gets one from the first launch it captures, and that launch, the
+graph's other launches of the same shapes and every task update pass it
+(the pattern of torch_npu's task-update documentation and vllm-ascend):
+a launch without one would get a workspace the allocator frees when the
+launch returns, which the replayed task would still address.
 """
 
 import contextlib
@@ -40,21 +46,27 @@ class AttentionTask:
     num_reqs: int
     # The slots the graph's KV writes read (the builder's buffer).
     slot_mapping: torch.Tensor
+    # The kernel's workspace, the one the capture passed (None for a
+    # kernel that needs none).
+    workspace: Optional[torch.Tensor] = None
 
 
 _collecting: Optional[list[AttentionTask]] = None
+# The workspaces of the graph being captured, by launch shapes.
+_workspaces: dict[tuple, Optional[torch.Tensor]] = {}
 
 
 @contextlib.contextmanager
 def collecting(tasks: list[AttentionTask]) -> Iterator[None]:
     """Attention layers that run inside this block (a full-graph capture)
     launch as tasks and append them to ``tasks``."""
-    global _collecting
-    previous, _collecting = _collecting, tasks
+    global _collecting, _workspaces
+    previous = _collecting, _workspaces
+    _collecting, _workspaces = tasks, {}
     try:
         yield
     finally:
-        _collecting = previous
+        _collecting, _workspaces = previous
 
 
 def capturing_tasks() -> bool:
@@ -73,20 +85,28 @@ def launch_task(layer_name: str, ops: "PagedAttentionOps",
     assert _collecting is not None
     api = device_graph_api()
     stream = current_stream()
+    query_ends, seq_lens = host_arguments(metadata, metadata.num_reqs,
+                                          query.shape[0])
+    shapes = (type(ops), query.shape, query.dtype, key_cache.shape,
+              metadata.block_tables.shape)
+    if shapes not in _workspaces:
+        _workspaces[shapes] = ops.max_workspace(query, key_cache,
+                                                value_cache,
+                                                metadata.block_tables,
+                                                query_ends, seq_lens, scale)
+    workspace = _workspaces[shapes]
     event = api.ExternalEvent()
     event.wait(stream)
     event.reset(stream)
     api.graph_task_group_begin(stream)
-    query_ends, seq_lens = host_arguments(metadata, metadata.num_reqs,
-                                          query.shape[0])
     ops.launch(query, key_cache, value_cache, metadata.block_tables,
-               query_ends, seq_lens, scale, output)
+               query_ends, seq_lens, scale, output, workspace)
     handle = api.graph_task_group_end(stream)
     _collecting.append(
         AttentionTask(layer_name, ops, handle, event,
                       (query, key_cache, value_cache, metadata.block_tables),
                       scale, output, metadata.num_reqs,
-                      metadata.slot_mapping))
+                      metadata.slot_mapping, workspace))
 
 
 def fits(num_reqs: int, num_tokens: int, captured_reqs: int,
@@ -148,6 +168,7 @@ def update_tasks(
                                               task.num_reqs, query.shape[0])
         api.graph_task_update_begin(stream, task.handle)
         task.ops.launch(query, key_cache, value_cache, block_table,
-                        query_ends, seq_lens, task.scale, task.output)
+                        query_ends, seq_lens, task.scale, task.output,
+                        task.workspace)
         api.graph_task_update_end(stream)
         task.event.record(stream)

@@ -149,13 +149,20 @@ class AscendRotaryEmbedding(RotaryEmbedding):
                              persistent=False)
 
     def _exact_cos_sin_cache(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.rotary_dim, 2,
-                                 dtype=torch.float64) / self.rotary_dim
+        # float64 on the host: vLLM builds the model inside
+        # ``with torch.device(<accelerator>)``, where a factory without a
+        # device lands on the NPU, which has no float64 kernels. Only the
+        # float32 result goes to the device (where vLLM's cache is).
+        host = torch.device("cpu")
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64,
+                                 device=host) / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponents)
         positions = torch.arange(self.max_position_embeddings,
-                                 dtype=torch.float64)
+                                 dtype=torch.float64,
+                                 device=host)
         angles = torch.outer(positions, inv_freq)
-        return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+        return cache.to(self.cos_sin_cache.device)
 
     def forward_oot(
         self,

@@ -14,11 +14,12 @@ from . import npu as _npu_module
 from ._hccl import HcclContractGroup
 from ._mc2 import (npu_moe_distribute_combine_v2,  # noqa: F401
                    npu_moe_distribute_dispatch_v2)
-from ._ops import (_npu_reshape_and_cache, npu_add_rms_norm,  # noqa: F401
-                   npu_fused_infer_attention_score, npu_grouped_matmul,
-                   npu_dynamic_quant, npu_moe_gating_top_k,
-                   npu_moe_init_routing_v2, npu_quant_matmul, npu_quantize,
-                   npu_rms_norm, npu_rotary_mul, npu_swiglu)
+from ._ops import (  # noqa: F401
+    _npu_fused_infer_attention_score_get_max_workspace,
+    _npu_reshape_and_cache, npu_add_rms_norm, npu_dynamic_quant,
+    npu_fused_infer_attention_score, npu_grouped_matmul,
+    npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_quant_matmul,
+    npu_quantize, npu_rms_norm, npu_rotary_mul, npu_swiglu)
 
 CONTRACT_DOUBLE = True
 __version__ = "2.8.0+contract-double"

@@ -13,11 +13,19 @@ past the valid ones) is filled with NaN, so a caller that reads it sees it.
 """
 
 
+import sys
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+import torch.utils._device as torch_device_utils
+from torch.utils._pytree import tree_flatten
+
+from vllm_ascend.compilation import graph_emulator as _emulator
 
 from . import npu as _npu
-from ._trace import traced
+from ._trace import record, traced
 
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -94,31 +102,43 @@ def _int_list(value, op: str, name: str) -> list[int]:
     return list(value)
 
 
-@traced("torch_npu.npu_fused_infer_attention_score")
-def npu_fused_infer_attention_score(
-        query, key, value, *, pse_shift=None, atten_mask=None,
-        actual_seq_lengths=None, actual_seq_lengths_kv=None,
-        block_table=None, num_heads=1, scale=1.0,
-        pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH",
-        num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-        block_size=0, softmax_lse_flag=False, **unsupported):
-    """torch_npu-npu_fused_infer_attention_score.md.
+_FIA_DOC = "torch_npu-npu_fused_infer_attention_score.md"
+# The double's workspace size (elements of query's dtype): nominal.
+_WORKSPACE_ELEMENTS = 4096
+# Inputs the schema takes that the double does not implement (None or 0).
+_FIA_UNIMPLEMENTED = {
+    "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+    "quant_offset2", "antiquant_scale", "antiquant_offset",
+    "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
+    "value_antiquant_offset", "query_padding_size", "kv_padding_size",
+    "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len",
+    "query_rope", "key_rope", "key_rope_antiquant_scale", "antiquant_mode",
+    "key_antiquant_mode", "value_antiquant_mode"}
 
-    The double implements the TND layout with a paged KV cache (what the
-    plugin calls); the other layouts raise NotImplementedError.
-    """
-    op = "npu_fused_infer_attention_score"
-    _kernel()
-    known = {"dequant_scale1", "quant_scale1", "dequant_scale2",
-             "quant_scale2", "quant_offset2", "antiquant_scale",
-             "antiquant_offset", "key_antiquant_scale",
-             "key_antiquant_offset", "value_antiquant_scale",
-             "value_antiquant_offset", "query_padding_size",
-             "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
-             "actual_shared_prefix_len", "query_rope", "key_rope",
-             "key_rope_antiquant_scale", "antiquant_mode",
-             "key_antiquant_mode", "value_antiquant_mode"}
-    bad = set(unsupported) - known
+
+@dataclass
+class _FiaCall:
+    q_lens: list[int]
+    kv_lens: list[int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    sparse_mode: int
+    scale: float
+
+
+def _fia_contract(op, query, key, value, *, pse_shift=None, atten_mask=None,
+                  actual_seq_lengths=None, actual_seq_lengths_kv=None,
+                  block_table=None, num_heads=1, scale=1.0,
+                  pre_tokens=2147483647, next_tokens=2147483647,
+                  input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+                  inner_precise=0, block_size=0, softmax_lse_flag=False,
+                  **unsupported) -> _FiaCall:
+    """The checks of npu_fused_infer_attention_score (``_FIA_DOC``), which
+    its ``.out`` variant and ``_..._get_max_workspace`` (the same schema,
+    op_plugin_functions.yaml 7.2.0) make too."""
+    bad = set(unsupported) - _FIA_UNIMPLEMENTED
     if bad:
         raise TypeError(f"{op}() got unexpected keyword arguments "
                         f"{sorted(bad)}")
@@ -142,6 +162,12 @@ def npu_fused_infer_attention_score(
           "key and value must be contiguous")
     check(query.dim() == 3, op, "TND query must be 3-D [T, N, D]")
     tokens, heads, head_dim = query.shape
+    # TND with D != 512 (D == 512 needs query_rope, not implemented):
+    # "数据类型仅支持bfloat16", bfloat16 only (_FIA_DOC:224 at 7.2.0, in the
+    # TND/TND_NTD/NTD_TND combined limits, lines 209-229).
+    check(query.dtype == torch.bfloat16, op,
+          f"query dtype {query.dtype}: input_layout TND with head dim "
+          f"{head_dim} (!= 512) supports bfloat16 only")
     check(num_heads == heads, op,
           f"num_heads={num_heads} does not match query's N={heads}")
     kv_heads = num_key_value_heads or num_heads
@@ -203,12 +229,29 @@ def npu_fused_infer_attention_score(
         check(all(q <= kv for q, kv in zip(q_lens, kv_lens)), op,
               "each request's query length must not exceed its KV length")
     check(isinstance(scale, float), op, "scale must be a float")
+    return _FiaCall(q_lens, kv_lens, heads, kv_heads, head_dim, block_size,
+                    sparse_mode, scale)
 
+
+@traced("torch_npu.npu_fused_infer_attention_score")
+def npu_fused_infer_attention_score(query, key, value, *, block_table=None,
+                                    **kwargs):
+    """torch_npu-npu_fused_infer_attention_score.md (``_FIA_DOC``).
+
+    The double implements the TND layout with a paged KV cache (what the
+    plugin calls); the other layouts raise NotImplementedError.
+    """
+    op = "npu_fused_infer_attention_score"
+    _kernel()
+    call = _fia_contract(op, query, key, value, block_table=block_table,
+                         **kwargs)
+    heads, kv_heads, head_dim = call.heads, call.kv_heads, call.head_dim
+    block_size = call.block_size
     out = torch.empty_like(query)
     cache_k = key.view(key.shape[0], block_size, kv_heads, head_dim)
     cache_v = value.view_as(cache_k)
     start = 0
-    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+    for i, (q_len, kv_len) in enumerate(zip(call.q_lens, call.kv_lens)):
         if q_len == 0:
             continue
         blocks = block_table[i, :-(-kv_len // block_size)].long()
@@ -217,8 +260,8 @@ def npu_fused_infer_attention_score(
         k = k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         v = v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         q = query[start:start + q_len].float().transpose(0, 1)
-        scores = q @ k.transpose(1, 2) * scale
-        if sparse_mode == 3:  # causal, aligned to the bottom right
+        scores = q @ k.transpose(1, 2) * call.scale
+        if call.sparse_mode == 3:  # causal, aligned to the bottom right
             qi = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
             scores.masked_fill_(torch.arange(kv_len).unsqueeze(0) > qi,
                                 float("-inf"))
@@ -228,11 +271,26 @@ def npu_fused_infer_attention_score(
     return out, torch.empty(0, dtype=torch.float32)
 
 
-def _fia_out(query, key, value, *, workspace=None, out=None, **kwargs):
-    """``npu_fused_infer_attention_score.out``: the same op writing into
-    ``out=[attention_out, softmax_lse]`` (what a captured launch and its
-    task updates share); ``workspace`` from
-    ``_npu_fused_infer_attention_score_get_max_workspace`` or None."""
+def _npu_fused_infer_attention_score_get_max_workspace(query, key, value,
+                                                       **kwargs):
+    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace``:
+    the schema of npu_fused_infer_attention_score (op_plugin_functions.yaml
+    7.2.0, ``-> Tensor``); the kernel's largest workspace for these
+    arguments, allocated as a 1-D tensor of query's dtype
+    (FusedInferAttentionScoreKernelNpuOpApi.cpp 7.2.0, ``..._get_max_
+    workspace_symint``), to pass as ``workspace=`` to the ``.out`` variant
+    at capture and in every task update (torch_npu-npu-graph_task_group_
+    begin.md:68-80, torch_npu-npu-graph_task_update_begin.md:71-91). A host
+    call: it checks the arguments as the op's tiling does and launches no
+    kernel. The double's size is nominal (its kernel needs none)."""
+    op = "_npu_fused_infer_attention_score_get_max_workspace"
+    record("torch_npu." + op)
+    _fia_contract(op, query, key, value, **kwargs)
+    return torch.empty(_WORKSPACE_ELEMENTS, dtype=query.dtype)
+
+
+def _fia_out_kernel(query, key, value, *, workspace=None, out=None,
+                    **kwargs):
     op = "npu_fused_infer_attention_score.out"
     check(isinstance(out, (list, tuple)) and len(out) == 2
           and all(isinstance(t, torch.Tensor) for t in out), op,
@@ -242,13 +300,62 @@ def _fia_out(query, key, value, *, workspace=None, out=None, **kwargs):
           and attention_out.dtype == query.dtype, op,
           f"attention_out {tuple(attention_out.shape)} {attention_out.dtype}"
           f" must match query {tuple(query.shape)} {query.dtype}")
+    if workspace is not None:
+        check(isinstance(workspace, torch.Tensor) and workspace.dim() == 1,
+              op, "workspace must be the 1-D tensor _npu_fused_infer_"
+              "attention_score_get_max_workspace returns")
     result, _ = npu_fused_infer_attention_score.__wrapped__(
         query, key, value, **kwargs)
     attention_out.copy_(result)
 
 
-npu_fused_infer_attention_score.out = traced(
-    "torch_npu.npu_fused_infer_attention_score.out")(_fia_out)
+_fia_out_launch = traced("torch_npu.npu_fused_infer_attention_score.out")(
+    _fia_out_kernel)
+
+
+def _fia_out(query, key, value, *, workspace=None, out=None, **kwargs):
+    """``npu_fused_infer_attention_score.out``: the same op writing into
+    ``out=[attention_out, softmax_lse]`` (what a captured launch and its
+    task updates share).
+
+    In a graph, the launch needs ``workspace`` (from
+    ``_npu_fused_infer_attention_score_get_max_workspace``), and every task
+    update the very workspace of the capture: without one op-plugin takes
+    the plain launch path, whose workspace the caching allocator frees when
+    the call returns (FusedInferAttentionScoreKernelNpuOpApi.cpp 7.2.0,
+    ``npu_fused_infer_attention_score_out_symint``: only ``workspace.has_
+    value()`` takes EXEC_UPDATE_NPU_NO_FORMAT_CHECK_CMD), so the captured
+    or updated task would address freed memory; the documented capture and
+    update pass the same one (torch_npu-npu-graph_task_group_begin.md:68-80,
+    torch_npu-npu-graph_task_update_begin.md:71-91). Checked on the host,
+    before the launch (an update replaces the captured launch's
+    arguments)."""
+    op = "npu_fused_infer_attention_score.out"
+    if _emulator._updating:
+        check(workspace is not None, op,
+              "a task update without workspace: pass the workspace the "
+              "captured launch got")
+        updater = _emulator._updating[-1]
+        nodes = updater.group.nodes
+        # (Another captured call there: the update's own check names it.)
+        if (updater.index < len(nodes)
+                and nodes[updater.index].func is _fia_out_kernel):
+            captured = nodes[updater.index].kwargs.get("workspace")
+            same = isinstance(captured, torch.Tensor) and (
+                workspace is captured or
+                (workspace.data_ptr() == captured.data_ptr()
+                 and workspace.shape == captured.shape))
+            check(same, op, "a task update whose workspace is not the "
+                  "captured launch's")
+    elif _emulator.EmulatedGraph._capturing is not None:
+        check(workspace is not None, op,
+              "a launch in a graph capture without workspace: pass "
+              "_npu_fused_infer_attention_score_get_max_workspace(...)")
+    return _fia_out_launch(query, key, value, workspace=workspace, out=out,
+                           **kwargs)
+
+
+npu_fused_infer_attention_score.out = _fia_out
 
 
 # --- norms and activations ---------------------------------------------
@@ -370,6 +477,16 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1,
     _dtype(x, FLOATS, op, "x")
     tokens, experts = x.shape
     check(experts <= 2048, op, "the expert count must be at most 2048")
+    # CANN 8.3 (what torch-npu 2.8.0 runs on) takes 256 experts only. The
+    # 7.2.0 doc (torch_npu-npu_moe_gating_top_k.md:50) says "at most 2048";
+    # the hardware evidence is vllm-ascend v0.11.0, proven on CANN 8.3,
+    # which calls the kernel only for 256 global experts
+    # (ops/moe/experts_selector.py:180-183, "now npu_moe_gating_top_k can
+    # only support 'group_count=256' pattern") and routes 160 (GLM-4.5)
+    # through torch; wider use comes with newer CANN (vllm-ascend main).
+    check(experts == 256, op,
+          f"{experts} experts: on CANN 8.3 the kernel supports the "
+          "256-expert pattern only")
     if bias is not None:
         check(bias.dtype == x.dtype, op, "The dtype of x and bias should be "
               "same")
@@ -690,3 +807,79 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
     if bias is not None and bias.dtype != torch.int32:
         y = y + bias.float()
     return y.to(output_dtype)
+
+
+# --- float64 on the device ---------------------------------------------
+# The NPU runs no float64 (double) kernels: the AI Core has no float64
+# arithmetic, and the aclnn kernels the plugin's ops use take no float64
+# (every op above rejects it through its dtype checks). Other projects hit
+# "DT_DOUBLE not supported" on NPU torch code (diffusers #10123, #10820).
+#
+# The double's device tensors are CPU tensors, so "float64 on the device"
+# cannot be read off a tensor. What it can see is where the plugin's device
+# tensors come from: vLLM builds the model inside
+# ``with torch.device(<the accelerator>)`` (base_loader.py), which under the
+# double is ``torch.device("cpu")``; there a factory called without a
+# device (``torch.arange(n)``) creates an NPU tensor on hardware. So while
+# the double is imported, such a context is the NPU's: a factory without a
+# device that makes a float64 tensor fails, and so does any op that makes
+# a float64 tensor from one such device tensor (``.double()``, an op whose
+# result promotes to float64). Host work states its device
+# (``device="cpu"``) and is not checked; nor is a device tensor created
+# with an explicit device, or a parameter (a new tensor object): what the
+# guard cannot tell from host tensors, it lets through.
+
+_device_tensors: dict[int, weakref.ref] = {}
+
+
+def _double_imported() -> bool:
+    return getattr(sys.modules.get("torch_npu"), "CONTRACT_DOUBLE", False)
+
+
+def _is_device_tensor(t) -> bool:
+    ref = _device_tensors.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _install_device_float64_guard() -> None:
+    """``torch.device`` contexts go through the guard (torch's C++
+    ``torch.device.__enter__`` builds ``torch.utils._device.DeviceContext``
+    at each entry)."""
+    base = torch_device_utils.DeviceContext
+    if getattr(base, "npu_double_float64_guard", False):
+        return
+
+    class NpuDeviceContext(base):
+        npu_double_float64_guard = True
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if self.device.type != "cpu" or not _double_imported():
+                return super().__torch_function__(func, types, args, kwargs)
+            on_device = (func in torch_device_utils._device_constructors()
+                         and kwargs.get("device") is None) or any(
+                             _is_device_tensor(t)
+                             for t in tree_flatten((args, kwargs))[0]
+                             if isinstance(t, torch.Tensor))
+            result = super().__torch_function__(func, types, args, kwargs)
+            if on_device:
+                for t in tree_flatten(result)[0]:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    check(t.dtype != torch.float64, _name(func),
+                          "a float64 tensor on the NPU (inside "
+                          f"`with torch.device({self.device.type!r})`, the "
+                          "double's NPU): the NPU has no float64 kernels; "
+                          "compute on the host (device='cpu') and move "
+                          "the result")
+                    _device_tensors[id(t)] = weakref.ref(t)
+            return result
+
+    torch_device_utils.DeviceContext = NpuDeviceContext
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+_install_device_float64_guard()

@@ -91,21 +91,31 @@ def select_experts_ref(
     return topk_weights, topk_ids.to(torch.int32)
 
 
+# The expert count ``npu_moe_gating_top_k`` runs with on CANN 8.3 (torch-npu
+# 2.8.0): its documentation allows up to 2048, but vllm-ascend v0.11.0, the
+# release proven on that CANN, calls it only for 256 experts (DeepSeek-V3's
+# pattern: "now npu_moe_gating_top_k can only support 'group_count=256'
+# pattern", ops/moe/experts_selector.py) and routes every other model,
+# GLM-4.5's 160 experts among them, through torch.
+NPU_GATING_NUM_EXPERTS = 256
+
+
 def _npu_gating_applies(num_experts: int, renormalize: bool,
                         use_grouped_topk: bool, num_expert_group: Optional[int],
                         scoring_func: str) -> bool:
-    """Where ``npu_moe_gating_top_k`` computes exactly the contract above.
+    """Where ``npu_moe_gating_top_k`` computes exactly the contract above
+    and the pinned CANN runs it.
 
     The kernel always normalizes the chosen weights and needs more than 2
-    experts per group, at most 2048 experts, and at most 2048 once each
-    group's count is rounded up to a multiple of 32.
+    experts per group and at most 2048 once each group's count is rounded
+    up to a multiple of 32; on CANN 8.3 it takes 256 experts only.
     """
     groups = num_expert_group if use_grouped_topk else 1
     if groups is None or groups < 1 or num_experts % groups:
         return False
     per_group = num_experts // groups
     return (scoring_func == "sigmoid" and renormalize
-            and num_experts <= 2048 and per_group > 2
+            and num_experts == NPU_GATING_NUM_EXPERTS and per_group > 2
             and -(-per_group // 32) * 32 * groups <= 2048)
 
 
