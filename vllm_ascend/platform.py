@@ -93,11 +93,12 @@ class AscendPlatform(Platform):
 
     @classmethod
     def set_device(cls, device_: torch.device) -> None:
-        # AscendWorker.init_device selects the rank's NPU itself
-        # (torch.npu.set_device(local_rank)): vLLM calls this only from the
-        # GPU worker's init_device and dual-batch overlap, neither of which
-        # runs with this platform.
-        pass
+        # The NPU is a per-thread context: vLLM's Ray executor selects the
+        # worker's device here on its compiled-DAG thread. Under the
+        # torch_npu double the worker's tensors are on the CPU: no NPU to
+        # select.
+        if _choice.is_npu and device_.type == "npu":
+            torch.npu.set_device(device_.index)
 
     @classmethod
     def inference_mode(cls):
@@ -223,10 +224,3 @@ def _check_npu_limits(vllm_config: "VllmConfig") -> None:
             "(the fused attention needs a multiple of "
             f"{NPU_BLOCK_SIZE_MULTIPLE} in [{low}, {high}]): use --block-size "
             f"{DEFAULT_BLOCK_SIZE}.")
-    if (model_config is not None and model_config.quantization == "ascend"
-            and model_config.dtype == torch.float16):
-        raise ValueError(
-            "--quantization ascend with --dtype float16 is not supported by "
-            "vllm_ascend (its static W8A8 matmul dequantizes with float32 "
-            "scales, which npu_quant_matmul takes in graphs for a bfloat16 "
-            "result only): use --dtype bfloat16.")

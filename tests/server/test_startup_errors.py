@@ -216,7 +216,7 @@ def test_npu_limits_fail_at_startup(outcomes):
     _assert_fails_with(
         outcomes["npu_float32"],
         "dtype torch.float32 is not supported on the Ascend NPU (the fused "
-        "attention takes float16 or bfloat16): use --dtype bfloat16")
+        "attention's TND layout takes bfloat16 only): use --dtype bfloat16.")
     _assert_fails_with(
         outcomes["npu_head_dim"],
         "head_dim 32 is not supported on the Ascend NPU: the fused attention "
