@@ -161,6 +161,8 @@ def _free_m() -> dict[str, int]:
 
 
 def _tree_rss(pid: int) -> int:
+    """Proportional set size of the process tree (shared library pages
+    counted once), else resident set size."""
     import psutil
     try:
         root = psutil.Process(pid)
@@ -170,7 +172,10 @@ def _tree_rss(pid: int) -> int:
     total = 0
     for proc in procs:
         try:
-            total += proc.memory_info().rss
+            try:
+                total += proc.memory_full_info().pss
+            except (AttributeError, psutil.AccessDenied):
+                total += proc.memory_info().rss
         except psutil.NoSuchProcess:
             pass
     return total
@@ -221,7 +226,7 @@ class MemoryWatch:
                 reason = None
                 if rss > self.max_rss:
                     reason = (f"server processes at {rss / GiB:.1f} GiB "
-                              f"resident > --max-rss-gib "
+                              f"(PSS) > --max-rss-gib "
                               f"{self.max_rss / GiB:g}")
                 elif mem and mem["available"] * MiB < self.min_available:
                     reason = (f"host memory available {mem['available']} "
@@ -287,15 +292,17 @@ def parse_log(text: str) -> dict[str, Any]:
             found = pattern.search(msg)
             if not found:
                 continue
+            # The runner's line counts the draft's graphs, pool and time
+            # too; the draft's own line comes first.
+            draft = "MTP draft" in msg
             if key == "captured":
-                field = "draft_graphs" if found.group(2) else "graphs"
-                entry[field] = entry.get(field, 0) + int(found.group(1))
-            elif key == "pool" and "Captured" in msg:
-                entry["pool_bytes"] = entry.get("pool_bytes", 0) + float(
-                    found.group(1)) * UNIT[found.group(2)]
-            elif key == "capture_s":
-                entry["capture_s"] = entry.get("capture_s", 0.0) + float(
+                entry["draft_graphs" if draft else "graphs"] = int(
                     found.group(1))
+            elif key == "pool" and "Captured" in msg:
+                entry["draft_pool_bytes" if draft else "pool_bytes"] = (
+                    float(found.group(1)) * UNIT[found.group(2)])
+            elif key == "capture_s" and not draft:
+                entry["capture_s"] = float(found.group(1))
             elif key == "streams":
                 entry["streams"] = (int(found.group(1)), int(found.group(2)))
             elif key == "kv_detail":
@@ -322,9 +329,9 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def rank_table(parsed: dict[str, Any]) -> list[str]:
     """One row per worker (and the engine cores' KV token counts)."""
     rows = ["| process | weights GiB | KV cache GiB | graph pool MiB "
-            "(plugin) | graphs GiB (vLLM) | outside torch GiB | profile "
-            "peak GiB | graphs (+draft) | streams used of budget | load s "
-            "| capture s |",
+            "(plugin, draft incl.) | graphs GiB (vLLM) | outside torch GiB "
+            "| profile peak GiB | graphs (of them draft) | streams used of "
+            "budget | load s | capture s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for pid, e in sorted(parsed["procs"].items(),
                          key=lambda kv: kv[1]["name"]):
@@ -342,7 +349,7 @@ def rank_table(parsed: dict[str, Any]) -> list[str]:
             f"{_fmt(e['pool_bytes'] / MiB if 'pool_bytes' in e else None)}"
             f" | {_fmt(e.get('vllm_graph_gib'))} | "
             f"{_fmt(e.get('outside_gib'))} | {_fmt(e.get('peak_gib'))} | "
-            f"{e.get('graphs', '-')} (+{e.get('draft_graphs', 0)}) | "
+            f"{e.get('graphs', '-')} ({e.get('draft_graphs', 0)}) | "
             f"{f'{streams[0]} of {streams[1]}' if streams else 'not logged'}"
             f" | {_fmt(e.get('load_s'), '.0f')} | "
             f"{_fmt(e.get('capture_s'), '.0f')} |")
@@ -507,7 +514,7 @@ def main(argv=None) -> int:
     parser.add_argument("--run-timeout", type=float, default=1500,
                         help="seconds per server run (startup + requests)")
     parser.add_argument("--max-rss-gib", type=float, default=12,
-                        help="kill a run whose processes hold more")
+                        help="kill a run whose processes hold more (PSS)")
     parser.add_argument("--min-available-gib", type=float, default=2.5,
                         help="kill a run when the host has less available")
     args = parser.parse_args(argv)
@@ -550,6 +557,9 @@ def main(argv=None) -> int:
         results[name] = run_one(name, quant_dir, flags, env, args, logs)
         r = results[name]
         print(f"[rehearsal] {name}: {r.status}", flush=True)
+        (logs / "results.json").write_text(json.dumps(
+            {n: dataclasses.asdict(v) for n, v in results.items()},
+            default=str, indent=1) + "\n")
 
     print("\n## Rehearsal: the original command at GLM-4.5's depth through "
           "the torch_npu double")
@@ -567,7 +577,7 @@ def main(argv=None) -> int:
               f"tokens) | {_fmt(r.requests_s, '.0f')} |")
     for name, r in results.items():
         print(f"\n### {name}: {r.status}")
-        print(f"peak resident memory of the server's processes "
+        print(f"peak memory of the server's processes (PSS) "
               f"{r.peak_rss / GiB:.2f} GiB; host: peak used "
               f"{r.peak_used_mib} MiB, lowest available "
               f"{r.min_available_mib} MiB (free -m)")
