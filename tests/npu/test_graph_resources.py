@@ -23,10 +23,12 @@ def npu():
         graphs_before = _graphs.streams.graphs
         communicators_before = set(_graphs.streams.communicators)
         _graphs._pools.clear()
+        _graphs._free_at_first_capture.clear()
         yield torch.npu, _graphs
         _graphs.streams.graphs = graphs_before
         _graphs.streams.communicators = communicators_before
         _graphs._pools.clear()
+        _graphs._free_at_first_capture.clear()
 
 
 def _capture(npu_api, fn, *args, pool=None):
@@ -88,12 +90,17 @@ def test_strong_outputs_grow_the_pool_weak_ones_are_reused(npu):
     assert total - free >= weak  # charged to the device
 
 
-def test_pool_past_device_memory_is_out_of_memory(npu, monkeypatch):
+def test_pool_past_free_device_memory_is_out_of_memory(npu, monkeypatch):
+    """Graph pools take what the weights and KV cache left free."""
     npu_api, graphs = npu
-    monkeypatch.setattr(graphs.npu.state.__class__, "total_memory",
-                        property(lambda self: self.allocated() + (1 << 20)))
+    state = graphs.npu.state
+    free = 1 << 20
+    monkeypatch.setattr(
+        state.__class__, "total_memory",
+        property(lambda self: self.allocated() + self.workspace + free))
+    _capture(npu_api, torch.zeros, free // 4 - 1024)
     with pytest.raises(RuntimeError, match="NPU out of memory"):
-        _capture(npu_api, torch.zeros, 1 << 20)
+        _capture(npu_api, torch.zeros, free // 4)
 
 
 def test_capture_records_without_computing(npu):

@@ -19,8 +19,9 @@ device charges for a graph and how it fails:
   while any tensor handed out on it is alive, and goes back to the pool
   (for later captures) when none is; the pool keeps its peak reserved.
   That peak is charged to the emulated device (``npu.state``), and a
-  capture that would take the device past its memory fails as an NPU's
-  allocator does.
+  capture that would take the pools past the memory free when capture
+  began (after the weights and the KV cache) fails as an NPU's allocator
+  does.
 - Capture records, it does not compute. What a capture allocated and
   still hands out afterwards (its outputs, state created lazily inside it)
   holds garbage until a replay writes it: here NaN for floating tensors
@@ -83,6 +84,19 @@ class _Pool:
 
 
 _pools: dict[int, _Pool] = {}
+# The device memory free when the first graph was captured: weights and
+# the KV cache are in place by then, and graph pools take what is left.
+# (Measured once: the emulator's own bookkeeping during a capture is host
+# memory, which a device does not spend.)
+_free_at_first_capture: list[int] = []
+
+
+def _free_for_graphs() -> int:
+    if not _free_at_first_capture:
+        state = npu.state
+        _free_at_first_capture.append(state.total_memory -
+                                      state.allocated() - state.workspace)
+    return _free_at_first_capture[0]
 
 
 def pool_bytes() -> int:
@@ -114,6 +128,7 @@ class NPUGraph(graph_emulator.EmulatedGraph):
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global"
                       ) -> None:
+        _free_for_graphs()
         super().capture_begin(pool, capture_error_mode)
         self._pool = _pools.setdefault(pool if pool is not None else id(self),
                                        _Pool())
@@ -129,8 +144,7 @@ class NPUGraph(graph_emulator.EmulatedGraph):
         pool.live += produced.nbytes
         pool.peak = max(pool.peak, pool.live)
         state = npu.state
-        if state.allocated() + state.workspace + pool_bytes() \
-                > state.total_memory:
+        if pool_bytes() > _free_for_graphs():
             raise RuntimeError(
                 f"NPU out of memory. Tried to allocate "
                 f"{produced.nbytes / (1 << 20):.2f} MiB (NPU "
