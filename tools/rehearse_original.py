@@ -263,6 +263,10 @@ PATTERNS = {
     "pool": re.compile(rf"(?:graph )?pool {FLOAT} ?(B|KiB|MiB|GiB)\b"),
     "capture_s": re.compile(rf"Captured .* in {FLOAT} s"),
 }
+# The first line naming why a start failed (vLLM, the plugin, the double).
+CAUSE = re.compile(r"out of memory|207008|207005|Alloc sq cq|To serve at "
+                   r"least one request|No NPU memory is left|Worker failed "
+                   r"with error|ValueError: |NotImplementedError: ")
 UNIT = {"B": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": GiB}
 
 
@@ -272,6 +276,7 @@ def parse_log(text: str) -> dict[str, Any]:
     last error lines."""
     procs: dict[str, dict[str, Any]] = {}
     errors: list[str] = []
+    cause: Optional[str] = None
     for line in ANSI.sub("", text).splitlines():
         m = PREFIX.match(line)
         proc, msg = ((m.group("pid"), m.group("msg")) if m
@@ -279,6 +284,8 @@ def parse_log(text: str) -> dict[str, Any]:
         entry = procs.setdefault(proc, {"name": "(no prefix)", "lines": []})
         if m:
             entry["name"] = m.group("proc")
+        if cause is None and CAUSE.search(msg):
+            cause = line.strip()
         quiet = msg.startswith(("INFO", "WARNING", "DEBUG", "W1", "I1"))
         if (re.search(r"ERROR|Error|Traceback|Killed|207008|Alloc sq", msg)
                 and not quiet) or "207008" in msg:
@@ -319,7 +326,7 @@ def parse_log(text: str) -> dict[str, Any]:
                 entry["kv_tokens"] = int(found.group(1).replace(",", ""))
             elif key != "pool":
                 entry[key] = float(found.group(1))
-    return {"procs": procs, "errors": errors[-8:]}
+    return {"procs": procs, "errors": errors[-8:], "cause": cause}
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -391,6 +398,47 @@ def _complete(base_url: str, prompt: str, max_tokens: int,
     return reply.json()["choices"][0]
 
 
+def _wait_healthy(server: ServeProcess, timeout: float) -> float:
+    """``ServeProcess.wait_healthy`` in slices, giving up as soon as the
+    log names a failed worker: its peers then wait in a collective and the
+    server never exits by itself."""
+    start = time.monotonic()
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            raise TimeoutError(f"not healthy after {timeout:.0f} s")
+        try:
+            return _health_slice(server, min(left, 20), start)
+        except TimeoutError:
+            text = server.log_path.read_text(errors="replace")
+            cause = CAUSE.search(ANSI.sub("", text))
+            if cause:
+                raise RuntimeError(f"a worker failed ({cause.group(0)})")
+
+
+def _health_slice(server: ServeProcess, seconds: float,
+                  start: float) -> float:
+    """Seconds since ``start`` once GET /health answers 200 within
+    ``seconds``; TimeoutError otherwise, RuntimeError if the server
+    exited."""
+    import urllib.error
+    import urllib.request
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with code "
+                               f"{server.proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{server.base_url}/health",
+                                        timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise TimeoutError
+
+
 def run_one(name: str, model: Path, flags: Flags, env: dict[str, str],
             args: argparse.Namespace, logs: Path) -> RunResult:
     mtp = name != "no-mtp"
@@ -408,7 +456,7 @@ def run_one(name: str, model: Path, flags: Flags, env: dict[str, str],
     try:
         with watch:
             try:
-                result.startup_s = server.wait_healthy(args.run_timeout)
+                result.startup_s = _wait_healthy(server, args.run_timeout)
             except (RuntimeError, TimeoutError) as e:
                 result.status = ("killed: " + watch.killed if watch.killed
                                  else "startup failed: " +
@@ -509,6 +557,8 @@ def main(argv=None) -> int:
                         help="VLLM_ASCEND_NPU_DOUBLE_MEMORY_GIB per rank")
     parser.add_argument("--max-model-len", type=int, default=35000)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=0.9)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--run-timeout", type=float, default=1500,
@@ -523,7 +573,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown run {unknown[0]!r}; choose from {RUNS}")
     flags = Flags(max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
     times: dict[str, float] = {}
 
     t0 = time.monotonic()
@@ -565,6 +616,7 @@ def main(argv=None) -> int:
           "the torch_npu double")
     print(f"DP {DP} x TP {TP} + EP, W8A8 with float MTP, hidden "
           f"{args.hidden_size}, emulated NPU {args.npu_memory_gib:g} GiB, "
+          f"gpu-memory-utilization {flags.gpu_memory_utilization}, "
           f"max-model-len {flags.max_model_len}, max-num-batched-tokens "
           f"{flags.max_num_batched_tokens}; logs in {logs}\n")
     print("| phase | wall s |\n|---|---|")
@@ -591,6 +643,8 @@ def main(argv=None) -> int:
         if not any("streams" in ln for ln in lines):
             print("not logged: the stream budget ('Captured ... streams N "
                   "of B')")
+        if r.parsed.get("cause"):
+            print(f"cause: {r.parsed['cause'][:500]}")
         if r.parsed["errors"]:
             print("last error lines:")
             for ln in r.parsed["errors"]:
