@@ -32,7 +32,9 @@ def _config(dp=2, tp=1, ep=True, graphs=True, tokens=256, **model):
 @pytest.fixture
 def step(monkeypatch):
     """Choose as a worker does: configure, then one step at a time, with
-    the DP-synced largest batch of the forward context."""
+    the DP-synced largest batch of the forward context. The worker's
+    selection is the module's; a fresh one here, put back afterwards."""
+    monkeypatch.setattr(moe_comm, "_selection", moe_comm._Selection())
 
     def run(config, max_tokens, env=None):
         monkeypatch.delenv(moe_comm.MOE_COMM_ENV, raising=False)
