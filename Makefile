@@ -56,15 +56,17 @@ rebase-check: $(STAMP)
 test: $(STAMP) apply
 	@log=$$(mktemp); \
 	$(PY) tools/vllm_tree.py check > $$log 2>&1 & check=$$!; \
-	$(PY) -m pytest -q --durations=25 tests; tests=$$?; \
+	$(PY) -m pytest -q --durations=40 -m "not heavy" tests; tests=$$?; \
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \
 	[ $$tests -eq 0 ] && [ $$checked -eq 0 ]
 
 # Nightly regression against benchmarks/nightly/baseline.json (runs and the
 # trend page in benchmarks/nightly/runs); NIGHTLY_ARGS="--smoke", "--model
-# PATH", "--device npu --preset original", "--update-baseline".
+# PATH", "--device npu --preset original", "--update-baseline". First the
+# tests marked heavy (more parallel layouts, which `make test` leaves out).
 nightly: $(STAMP) apply
+	$(PY) -m pytest -q -m heavy tests
 	$(PY) tools/nightly.py $(NIGHTLY_ARGS)
 
 # The original report's `vllm serve` (DP 2 x TP 2 + EP, W8A8 with a float

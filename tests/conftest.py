@@ -12,6 +12,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "npu: an NPU code path; runs on an Ascend NPU when there "
         "is one, else through the torch_npu contract double")
+    config.addinivalue_line(
+        "markers", "heavy: another multi-process layout of a path CI already "
+        "runs; `make test` leaves it to `make nightly`")
     # Every process the tests start (engine cores, DP ranks, servers)
     # records which plugin call sites reached the torch_npu double.
     if "VLLM_ASCEND_NPU_DOUBLE_TRACE" not in os.environ:

@@ -48,11 +48,7 @@ DP_TP_PER_RANK = [[0, 3], [2]]
 # (k, expert_parallel, per_rank) of test_dp2_mtp_outputs_equal_dp1.
 DP2_CASES = [(2, True, [[2], [0, 3]]), (1, True, [[0, 3], []]),
              (2, False, [[4], [0, 3]])]
-# (k, per_rank) of every test below: each busy rank's requests need a
-# single-process MTP reference of their acceptance.
-MTP_RUNS = ([(k, per_rank) for k, _, per_rank in DP2_CASES]
-            + [(k, per_rank) for k in (1, 2)
-               for per_rank in (DP_TP_PER_RANK, TP2_PER_RANK)])
+
 
 
 def _speculative(k: int) -> dict:
@@ -65,13 +61,28 @@ def _job(indices: tuple[int, ...], k: int = 0) -> dict:
                 sampling=_sampling(list(indices)))
 
 
+def _mtp_run(item: pytest.Item) -> tuple[int, list[list[int]]] | None:
+    """(k, per_rank) of a test below."""
+    params = getattr(item, "callspec", None)
+    if params is None or "k" not in params.params:
+        return None
+    k = params.params["k"]
+    per_rank = params.params.get("per_rank")
+    if per_rank is None:
+        per_rank = (TP2_PER_RANK if item.originalname
+                    == "test_tp2_mtp_outputs_equal_dp1" else DP_TP_PER_RANK)
+    return k, per_rank
+
+
 @pytest.fixture(scope="module")
-def references() -> dict:
+def references(request) -> dict:
     """One process each, two at a time: ``"baseline"`` (all requests, no
-    MTP) and, per ``(k, requests)`` of a busy rank in MTP_RUNS, the outputs
-    and spec-decode counters with MTP k."""
-    keys = dict.fromkeys((k, tuple(indices)) for k, per_rank in MTP_RUNS
-                         for indices in per_rank if indices)
+    MTP) and, per ``(k, requests)`` of a busy rank of a selected test, the
+    outputs and spec-decode counters with MTP k."""
+    runs = [_mtp_run(item) for item in request.session.items
+            if item.module is request.module]
+    keys = dict.fromkeys((k, tuple(indices)) for k, per_rank in filter(
+        None, runs) for indices in per_rank if indices)
     jobs = {"baseline": _job(ALL),
             **{key: _job(key[1], key[0]) for key in keys}}
     results = run_engines(jobs)
@@ -136,9 +147,13 @@ def test_dp2_mtp_outputs_equal_dp1(references, baseline, k, expert_parallel,
     _check_acceptance(references, outs, per_rank, k)
 
 
-@pytest.mark.parametrize("k,expert_parallel", [(1, False), (2, False),
-                                               (1, True)],
-                         ids=["k1", "k2", "k1-ep"])
+# DP 2 x TP 2 + EP (MC2) runs in CI through the double's fused kernels
+# (tests/npu/test_npu_engine.py); k = 1 here in `make nightly`.
+@pytest.mark.parametrize("k,expert_parallel", [
+    pytest.param(1, False, marks=pytest.mark.heavy),
+    (2, False),
+    pytest.param(1, True, marks=pytest.mark.heavy),
+], ids=["k1", "k2", "k1-ep"])
 def test_dp2_tp2_mtp_outputs_equal_dp1(references, baseline, k,
                                        expert_parallel):
     """DP 2 x TP 2 (4 processes) in the default graph mode. Without expert
@@ -155,8 +170,12 @@ def test_dp2_tp2_mtp_outputs_equal_dp1(references, baseline, k,
     _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
-@pytest.mark.parametrize("method,k", [("allgather", 2), ("alltoall", 1),
-                                      ("alltoall", 2)])
+# All-to-all runs in CI through the double (tests/npu/test_npu_engine.py).
+@pytest.mark.parametrize("method,k", [
+    ("allgather", 2),
+    pytest.param("alltoall", 1, marks=pytest.mark.heavy),
+    pytest.param("alltoall", 2, marks=pytest.mark.heavy),
+])
 def test_dp2_ep_moe_methods_equal_dp1(references, baseline, method, k):
     """Each MoE communication method forced with EP (MC2, the default with
     EP, and all-gather, the default without, run in the tests above): DP=1
@@ -169,7 +188,7 @@ def test_dp2_ep_moe_methods_equal_dp1(references, baseline, method, k):
     _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2])
 def test_tp2_mtp_outputs_equal_dp1(references, baseline, k):
     """TP 2 alone (attention heads, MLP, experts and the vocabulary split;
     the draft on the target's embedding and head shards)."""

@@ -43,6 +43,10 @@ def _counter(metrics: str, name: str) -> float:
                if line.startswith(f"{name}_total"))
 
 
+# Four engine processes and a server: in `make nightly`. CI runs the layout
+# offline (tests/e2e/test_data_parallel.py, tests/npu/test_npu_engine.py)
+# and the original command's other flags served (tests/server).
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [2])
 def test_dp2_tp2_ep_mtp_server_equals_single_process(k):
     from transformers import AutoTokenizer
