@@ -170,9 +170,9 @@ def test_dp2_tp2_mtp_outputs_equal_dp1(references, baseline, k,
     _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
-# All-to-all runs in CI through the double (tests/npu/test_npu_engine.py).
+# Forced, both run in CI through the double (tests/npu/test_npu_engine.py).
 @pytest.mark.parametrize("method,k", [
-    ("allgather", 2),
+    pytest.param("allgather", 2, marks=pytest.mark.heavy),
     pytest.param("alltoall", 1, marks=pytest.mark.heavy),
     pytest.param("alltoall", 2, marks=pytest.mark.heavy),
 ])
@@ -188,7 +188,9 @@ def test_dp2_ep_moe_methods_equal_dp1(references, baseline, method, k):
     _check_acceptance(references, outs, DP_TP_PER_RANK, k)
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2])
+# TP 2 runs in CI with DP 2 (above).
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.heavy)
+                               for k in (1, 2)])
 def test_tp2_mtp_outputs_equal_dp1(references, baseline, k):
     """TP 2 alone (attention heads, MLP, experts and the vocabulary split;
     the draft on the target's embedding and head shards)."""

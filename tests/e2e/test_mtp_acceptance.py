@@ -35,7 +35,7 @@ def reference():
     return Glm45Reference(FIXTURE)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2])
 def test_reported_acceptance_matches_reference(prompts, reference, k):
     want = measure_acceptance(FIXTURE, prompts, MAX_NEW, k=k,
                               reference=reference)

@@ -65,8 +65,10 @@ def test_k1_chunked_prefill(setup, k1_run):
     _check(k1_run, setup[3], 1)
 
 
+# k = 2 preempted runs in CI through the double (tests/npu/test_npu_engine.py).
 @pytest.mark.parametrize("k,mode", [
-    (2, dict(num_gpu_blocks_override=24)),
+    pytest.param(2, dict(num_gpu_blocks_override=24),
+                 marks=pytest.mark.heavy),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
              num_gpu_blocks_override=24)),
 ], ids=["k2-preempted", "k3-chunked-preempted"])

@@ -168,7 +168,8 @@ def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
     (1, 2, True, None, [[0, 1, 2], [3]], True),
     (1, 2, True, "allgather", [[0, 4], [1, 2, 3]], False),
     (1, 1, True, "alltoall", [[3], [0, 1, 2]], False),
-    (1, 2, False, None, [[1], [0, 2, 3]], False),
+    pytest.param(1, 2, False, None, [[1], [0, 2, 3]], False,
+                 marks=pytest.mark.heavy),
 ], ids=["dp2xtp2-ep-k2", "dp2-ep-k2", "dp2-ep-allgather-k2",
         "dp2-ep-alltoall-k1-eager", "dp2-k2"])
 def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
