@@ -106,6 +106,8 @@ def test_draft_shares_embedding_and_lm_head(k1_run):
     assert info["drafter_class"] == "AscendMtpProposer"
 
 
+# The series' own tests accept each name (patch 0001); serving each: nightly.
+@pytest.mark.heavy
 def test_every_mtp_method_name_serves_the_same(setup, k1_run):
     """`deepseek_mtp` (how GLM-4.5/4.6 were served before `glm4_moe_mtp`
     was accepted) and `mtp` run the same draft: same tokens, same

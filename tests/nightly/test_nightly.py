@@ -241,6 +241,9 @@ def new_model_runs(tmp_path_factory):
     return root, checks
 
 
+# Three nightly runs of a new model (`make nightly`; the tolerance defaults
+# and the prompt formats it relies on are tested above, in CI).
+@pytest.mark.heavy
 def test_new_models_baseline_passes_its_rerun(new_model_runs):
     root, checks = new_model_runs
     baseline = json.loads((root / "first.json").read_text())
@@ -254,6 +257,7 @@ def test_new_models_baseline_passes_its_rerun(new_model_runs):
     assert "nightly: no regression" in proc.stdout
 
 
+@pytest.mark.heavy
 def test_new_models_baseline_catches_a_damaged_mtp_layer(new_model_runs):
     _, checks = new_model_runs
     proc = checks["damaged"]
