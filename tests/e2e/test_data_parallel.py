@@ -50,7 +50,6 @@ DP2_CASES = [(2, True, [[2], [0, 3]]), (1, True, [[0, 3], []]),
              (2, False, [[4], [0, 3]])]
 
 
-
 def _speculative(k: int) -> dict:
     return dict(method="glm4_moe_mtp", num_speculative_tokens=k)
 
@@ -147,8 +146,8 @@ def test_dp2_mtp_outputs_equal_dp1(references, baseline, k, expert_parallel,
     _check_acceptance(references, outs, per_rank, k)
 
 
-# DP 2 x TP 2 + EP (MC2) runs in CI through the double's fused kernels
-# (tests/npu/test_npu_engine.py); k = 1 here in `make nightly`.
+# k = 1 in `make nightly`; EP (MC2) runs in CI as DP 2 + EP through the
+# double's fused kernels (tests/npu/test_npu_engine.py).
 @pytest.mark.parametrize("k,expert_parallel", [
     pytest.param(1, False, marks=pytest.mark.heavy),
     (2, False),
