@@ -9,7 +9,6 @@ implies, before any process is spawned.
 """
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,7 +156,7 @@ def check_checkpoint(vllm_config: "VllmConfig") -> None:
     """Validate a local GLM-4.5 checkpoint (float or Ascend W8A8) at
     startup.
 
-    Call from ``AscendPlatform.check_and_update_config``: it runs in the API
+    Call from ``AscendPlatformBase.check_and_update_config``: it runs in the API
     server (or ``LLM``) process before the engine core is spawned, so a bad
     checkpoint fails in seconds with this message instead of a worker
     traceback, or not at all (missing experts).
@@ -246,32 +245,19 @@ def check_parallel_layout(vllm_config: "VllmConfig") -> None:
             f"{experts}: use fewer ranks or drop --enable-expert-parallel.")
 
 
-# A request's n child sequences are created up front, before any is
-# scheduled: an unbounded n (say 10**6) stalls the server for everyone.
-MAX_N_ENV = "VLLM_ASCEND_MAX_N"
-DEFAULT_MAX_N = 128
-
-
-def max_n() -> int:
-    raw = os.environ.get(MAX_N_ENV, str(DEFAULT_MAX_N))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{MAX_N_ENV}={raw!r}: set a positive integer "
-                         "(the most completions one request may ask for).")
-    return value
+# The limit is VLLM_ASCEND_MAX_N (vllm_ascend/envs.py says why).
+MAX_N_ENV = envs.VLLM_ASCEND_MAX_N_ENV
+DEFAULT_MAX_N = envs.DEFAULT_MAX_N
 
 
 def check_sampling_params(params: Any) -> None:
     """Reject a request whose ``n`` exceeds ``VLLM_ASCEND_MAX_N``.
 
-    Call from ``AscendPlatform.validate_request``: vLLM turns the
+    Call from ``AscendPlatformBase.validate_request``: vLLM turns the
     ``ValueError`` into an HTTP 400 for that request only.
     """
     n = getattr(params, "n", 1) or 1
-    limit = max_n()
+    limit = envs.VLLM_ASCEND_MAX_N
     if n > limit:
         raise ValueError(
             f"n={n} completions per request is more than this server allows "

@@ -10,13 +10,14 @@ the ``vllm`` command print just the message and exit with status 1; set
 ``VLLM_ASCEND_TRACEBACK=1`` for the full traceback.
 """
 
-import os
 import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Optional
 
-TRACEBACK_ENV = "VLLM_ASCEND_TRACEBACK"
+from vllm_ascend import envs
+
+TRACEBACK_ENV = envs.VLLM_ASCEND_TRACEBACK_ENV
 
 
 def error_messages(exc: BaseException) -> list[str]:
@@ -34,7 +35,7 @@ def error_messages(exc: BaseException) -> list[str]:
 
 def _hook(exc_type: type[BaseException], exc: BaseException,
           tb: Optional[TracebackType]) -> None:
-    if not isinstance(exc, ValueError) or os.environ.get(TRACEBACK_ENV):
+    if not isinstance(exc, ValueError) or envs.VLLM_ASCEND_TRACEBACK:
         sys.__excepthook__(exc_type, exc, tb)
         return
     for message in error_messages(exc):

@@ -19,13 +19,13 @@ ranks, and the MTP draft after the target, use one method in a step:
 that cannot run in the configuration fails at startup (``check_config``).
 """
 
-import os
 from typing import Optional
 
-from vllm.config import CUDAGraphMode
 from vllm import forward_context
+from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 
+from vllm_ascend import envs
 from vllm_ascend.distributed.moe_comm import mc2_kernels
 from vllm_ascend.distributed.moe_comm.all_gather import AllGatherMoEComm
 from vllm_ascend.distributed.moe_comm.all_to_all import AllToAllMoEComm
@@ -34,9 +34,9 @@ from vllm_ascend.distributed.moe_comm.mc2 import MC2MoEComm
 
 logger = init_logger(__name__)
 
-MOE_COMM_ENV = "VLLM_ASCEND_MOE_COMM"
-MC2_CAPACITY_ENV = "VLLM_ASCEND_MC2_CAPACITY"
-DEFAULT_MC2_CAPACITY = 256
+MOE_COMM_ENV = envs.VLLM_ASCEND_MOE_COMM_ENV
+MC2_CAPACITY_ENV = envs.VLLM_ASCEND_MC2_CAPACITY_ENV
+DEFAULT_MC2_CAPACITY = envs.DEFAULT_MC2_CAPACITY
 _CLASSES: dict[str, type[MoECommMethod]] = {
     "allgather": AllGatherMoEComm,
     "alltoall": AllToAllMoEComm,
@@ -46,23 +46,6 @@ METHODS = tuple(_CLASSES)
 
 __all__ = ["ExpertsFn", "MoECommMethod", "begin_step", "check_config",
            "configure", "current"]
-
-
-def forced_method() -> Optional[str]:
-    name = os.environ.get(MOE_COMM_ENV, "").strip().lower()
-    return name or None
-
-
-def mc2_capacity() -> int:
-    text = os.environ.get(MC2_CAPACITY_ENV, str(DEFAULT_MC2_CAPACITY))
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{MC2_CAPACITY_ENV}={text!r} must be a positive "
-                         "integer (tokens per rank the MC2 buffers hold).")
-    return value
 
 
 def _uses_ep(vllm_config) -> bool:
@@ -81,8 +64,8 @@ def _uses_graphs(vllm_config) -> bool:
 def check_config(vllm_config) -> None:
     """A forced method that cannot run here fails at startup, in one
     line."""
-    name = forced_method()
-    capacity = mc2_capacity()
+    name = envs.VLLM_ASCEND_MOE_COMM
+    capacity = envs.VLLM_ASCEND_MC2_CAPACITY
     if name is None or vllm_config.model_config is None:
         return
     if name not in METHODS:
@@ -123,8 +106,8 @@ class _Selection:
 
     def configure(self, vllm_config) -> None:
         self.expert_parallel = _uses_ep(vllm_config)
-        self.forced = forced_method()
-        capacity = mc2_capacity()
+        self.forced = envs.VLLM_ASCEND_MOE_COMM
+        capacity = envs.VLLM_ASCEND_MC2_CAPACITY
         kernels = (mc2_kernels.create(vllm_config, capacity)
                    if self.expert_parallel else None)
         self.methods = {
