@@ -1,7 +1,10 @@
 """One engine configuration of the benchmark, in its own process.
 
-Usage: ``python engine_child.py SPEC.json`` (written by
-``tools/benchmark_mtp.py``). Progress lines start with ``PROGRESS `` and the
+Usage: ``python -m tools.bench.engine_child SPEC.json`` with the repository
+root on PYTHONPATH (``tools.bench.run.child_command`` and ``child_env``).
+The root's ``vllm/`` folder does not shadow vLLM there: the regular package
+that ``make install``'s ``vllm-tree.pth`` puts on ``sys.path`` wins over a
+namespace package. Progress lines start with ``PROGRESS `` and the
 last line with ``RESULT ``, each followed by JSON. A fresh process per
 configuration keeps distributed state and peak memory per configuration;
 the parent runs vLLM's engine core in this process
@@ -14,18 +17,14 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-# tools/ (not the repository root, whose vllm/ tree would shadow vLLM).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import collectives  # noqa: E402
-from bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,  # noqa: E402
-                         DRAFT_TOKENS, DRAFTS, acceptance,
-                         decode_tokens_per_s, median, metric_delta)
+from tools.bench import collectives
+from tools.bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,
+                               DRAFT_TOKENS, DRAFTS, acceptance,
+                               decode_tokens_per_s, median, metric_delta)
 
 HISTOGRAMS = (DECODE_TIME, )
 RETRIES = 3
@@ -286,8 +285,8 @@ def main(spec_path: str) -> None:
     if spec.get("setup"):
         # "module:function" called before the engine starts (the engine core
         # runs in this process): a deliberate change a test injects.
+        # The module imports from the repository root (on PYTHONPATH).
         import importlib
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         module, _, function = spec["setup"].partition(":")
         getattr(importlib.import_module(module), function)()
     if spec.get("collectives"):

@@ -47,7 +47,7 @@ def compare(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: Optional[float], spec: str = ".2f") -> str:
+def fmt(value: Optional[float], spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -68,32 +68,32 @@ def format_table(results: dict[str, Any]) -> str:
     rows = []
     for i, batch in enumerate(results["settings"]["batch_sizes"]):
         row = [str(batch)]
-        row += [_fmt(c["batches"][i]["decode_tokens_per_s"], ".1f")
+        row += [fmt(c["batches"][i]["decode_tokens_per_s"], ".1f")
                 for c in configs]
         for c in mtp:
             acc = c["batches"][i].get("acceptance") or {}
             cmp = ratio.get((c["name"], batch))
             row += [
-                _fmt(cmp and cmp["speedup"], ".2f") + ("x" if cmp else ""),
-                _fmt(cmp and cmp["speedup_cpu"], ".2f") + ("x" if cmp else ""),
-                _fmt(acc.get("acceptance_rate"), ".1%"),
-                _fmt(acc.get("mean_acceptance_length"), ".2f"),
+                fmt(cmp and cmp["speedup"], ".2f") + ("x" if cmp else ""),
+                fmt(cmp and cmp["speedup_cpu"], ".2f") + ("x" if cmp else ""),
+                fmt(acc.get("acceptance_rate"), ".1%"),
+                fmt(acc.get("mean_acceptance_length"), ".2f"),
                 "-" if cmp is None else
                 ("yes" if cmp["outputs_identical"] else "NO"),
             ]
         rows.append(row)
-    lines = [_grid(header, rows)]
+    lines = [grid(header, rows)]
     detail_header = ["config", "batch", "median tok/s", "best tok/s",
                      "tok/CPU-s", "vLLM-timed tok/s", "T_N s", "T_1 s"]
     detail = [[c["name"], str(b["batch_size"]),
-               _fmt(b["decode_tokens_per_s"], ".1f"),
-               _fmt(b["best_decode_tokens_per_s"], ".1f"),
-               _fmt(b["decode_tokens_per_cpu_s"], ".1f"),
-               _fmt(b.get("vllm_decode_tokens_per_s"), ".1f"),
-               _fmt(b["median_t_full_s"], ".3f"),
-               _fmt(b["median_t_one_s"], ".3f")]
+               fmt(b["decode_tokens_per_s"], ".1f"),
+               fmt(b["best_decode_tokens_per_s"], ".1f"),
+               fmt(b["decode_tokens_per_cpu_s"], ".1f"),
+               fmt(b.get("vllm_decode_tokens_per_s"), ".1f"),
+               fmt(b["median_t_full_s"], ".3f"),
+               fmt(b["median_t_one_s"], ".3f")]
               for c in configs for b in c["batches"]]
-    lines += ["", _grid(detail_header, detail)]
+    lines += ["", grid(detail_header, detail)]
     mem_header = ["config", "peak RSS MiB", "weights MiB", "drafter MiB",
                   "KV cache MiB", "init s"]
     mem_rows = []
@@ -106,7 +106,7 @@ def format_table(results: dict[str, Any]) -> str:
             f"{m['drafter_weights_bytes'] / MiB:.2f}",
             "-" if kv is None else f"{kv / MiB:.0f}", f"{c['init_s']:.1f}"
         ])
-    lines += ["", _grid(mem_header, mem_rows)]
+    lines += ["", grid(mem_header, mem_rows)]
     identical = results["outputs_identical"]
     lines += ["", "greedy outputs with MTP identical to without: " +
               {True: "yes", False: "NO (see comparison)",
@@ -114,13 +114,13 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _grid(header: list[str], rows: list[list[str]]) -> str:
+def grid(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows)
               for i in range(len(header))]
-    fmt = " | ".join(f"{{:>{w}}}" for w in widths)
+    row = " | ".join(f"{{:>{w}}}" for w in widths)
     sep = "-+-".join("-" * w for w in widths)
-    return "\n".join([fmt.format(*header), sep] +
-                     [fmt.format(*r) for r in rows])
+    return "\n".join([row.format(*header), sep] +
+                     [row.format(*r) for r in rows])
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -7,7 +7,7 @@ that every figure compares the same way and plots.
 
 from typing import Any, Optional
 
-from benchmark_graph_modes import _batch, rows
+from tools.bench.graph_modes import find_batch, rows
 
 MiB = 1 << 20
 # Per (mode, batch, k) row of the graph-mode benchmark.
@@ -69,12 +69,12 @@ def collect(runs: dict[str, dict[str, Any]],
         for k, config in configs.items():
             tag = f"{mode}.k{k}"
             for b in config["batches"]:
-                base = _batch(no_mtp, b["batch_size"])
+                base = find_batch(no_mtp, b["batch_size"])
                 if k and base:
                     figures[f"accuracy.{mode}.b{b['batch_size']}.k{k}."
                             "equal_to_no_mtp"] = int(
                                 b["outputs_sha1"] == base["outputs_sha1"])
-            big = _batch(config, accuracy_batch)
+            big = find_batch(config, accuracy_batch)
             if big and ref_outputs is not None and "outputs" in big:
                 acc = accuracy(big["outputs"], ref_outputs)
                 details["accuracy"][tag] = acc

@@ -1,13 +1,14 @@
-"""Main job: serve tiny GLM-4.5 with MTP through ``vllm serve`` and query it.
+"""The demo: serve tiny GLM-4.5 with MTP through ``vllm serve``, query it.
 
-    python tools/demo_serve.py [--model DIR] [--no-mtp] [--timeout S]
+    python -m tools.demo.serve [--model DIR] [--no-mtp] [--timeout S]
 
 Starts ``vllm serve`` (our plugin picks the device: the CPU reference device
 on a host without an NPU) on a free localhost port with the flags of the
-original GLM-4.5 MTP report that make sense on one host, waits for /health,
-sends a completion and, when the tokenizer has a chat template, a chat
-request, each non-streaming then streaming, through the OpenAI client, prints
-the speculative-decoding counters from /metrics and stops the server.
+reference serve command (DP 2 x TP 8 + EP, W8A8, graph capture sizes) that
+make sense on one host, waits for /health, sends a completion and, when the
+tokenizer has a chat template, a chat request, each non-streaming then
+streaming, through the OpenAI client, prints the speculative-decoding
+counters from /metrics and stops the server.
 
 ``ServeProcess`` is also what ``tests/server`` uses to run its servers.
 """
@@ -27,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "tiny-glm45"
 SERVED_NAME = "glm45-tiny"
 MTP_CONFIG = {"num_speculative_tokens": 1, "method": "glm4_moe_mtp"}
@@ -44,8 +45,8 @@ def free_port() -> int:
 
 def serve_args(model: Path, port: int, mtp: bool = True,
                max_model_len: int = 512) -> list[str]:
-    """``vllm serve`` arguments: the original report's flags that fit one
-    CPU host (no DP/TP/EP, no graphs, no quantization)."""
+    """``vllm serve`` arguments: the reference serve command's flags that
+    fit one CPU host (no DP/TP/EP, no graphs, no quantization)."""
     args = [
         "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME, "--seed", "1024",
@@ -178,8 +179,8 @@ def _check_model(model: Path) -> None:
     if not (model / "config.json").exists():
         raise SystemExit(
             f"{model} has no config.json: build the tiny checkpoint with "
-            "`python tools/build_tiny_glm45.py --out tests/fixtures/"
-            "tiny-glm45` or pass --model DIR.")
+            "`python -m tests.fixtures.build_tiny_glm45 --out "
+            "tests/fixtures/tiny-glm45` or pass --model DIR.")
     if not (model / "tokenizer.json").exists() and not (
             model / "tokenizer_config.json").exists():
         raise SystemExit(

@@ -1,8 +1,8 @@
 """DP 2 with expert parallelism vs DP 1, with and without MTP, in one run.
 
-    .venv/bin/python tools/benchmark_parallel.py               # ~6 min
-    .venv/bin/python tools/benchmark_parallel.py --batch-sizes 1,4 --k 1,2
-    VLLM_ASCEND_MOE_COMM=allgather .venv/bin/python tools/benchmark_parallel.py
+    .venv/bin/python -m tools.bench.parallel              # ~6 min
+    .venv/bin/python -m tools.bench.parallel --batch-sizes 1,4 --k 1,2
+    VLLM_ASCEND_MOE_COMM=allgather .venv/bin/python -m tools.bench.parallel
 
 For each layout and MTP setting, ``tools/bench/engine_child.py``'s
 measurement (paired greedy runs, median decode tokens/s) in fresh
@@ -27,18 +27,15 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.bench import run as bench
+from tools.bench.report import config_name, fmt, grid
 
-import benchmark_mtp  # noqa: E402
-from bench.report import _fmt, _grid, config_name  # noqa: E402
-
-logger = logging.getLogger("benchmark_parallel")
+logger = logging.getLogger("tools.bench.parallel")
 
 
 def _free_port() -> int:
@@ -47,7 +44,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spec(cfg: benchmark_mtp.BenchConfig, k: int, prompts: list[list[int]],
+def _spec(cfg: bench.BenchConfig, k: int, prompts: list[list[int]],
           batch_sizes: list[int], engine: dict) -> dict[str, Any]:
     return {"engine": engine, "method": cfg.method,
             "num_speculative_tokens": k, "prompts": prompts,
@@ -70,8 +67,9 @@ def _run_ranks(specs: list[dict], env: dict, log_dir: Path, name: str,
         rank_env = dict(env, VLLM_DP_RANK=str(rank),
                         VLLM_DP_RANK_LOCAL=str(rank))
         procs.append(subprocess.Popen(
-            [sys.executable, str(benchmark_mtp.CHILD), f.name],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=rank_env))
+            bench.child_command(f.name),
+            stdout=subprocess.PIPE, stderr=log, text=True,
+            env=bench.child_env(rank_env)))
         files.append((f.name, log))
     results = []
     deadline = time.monotonic() + timeout
@@ -96,8 +94,8 @@ def _run_ranks(specs: list[dict], env: dict, log_dir: Path, name: str,
     return results
 
 
-def run(cfg: benchmark_mtp.BenchConfig, log_dir: Path) -> dict[str, Any]:
-    prompts, source = benchmark_mtp.load_prompts(cfg)
+def run(cfg: bench.BenchConfig, log_dir: Path) -> dict[str, Any]:
+    prompts, source = bench.load_prompts(cfg)
     halves = [prompts[0::2], prompts[1::2]]
     # DP 1's prompt i*2 + r is DP rank r's prompt i: batch 2B holds the
     # same prompts as the two ranks' batches of B.
@@ -107,7 +105,7 @@ def run(cfg: benchmark_mtp.BenchConfig, log_dir: Path) -> dict[str, Any]:
     layouts = {}
     for k in [0] + sorted(set(cfg.ks)):
         name = config_name(k)
-        engine = benchmark_mtp.engine_kwargs(
+        engine = bench.engine_kwargs(
             dataclasses.replace(cfg, batch_sizes=[2 * b
                                                   for b in cfg.batch_sizes]),
             prompts)
@@ -184,13 +182,13 @@ def format_table(results: dict[str, Any]) -> str:
     header = ["layout", "config", "batch/rank", "tok/s", "DP2/DP1",
               "MTP/no-MTP", "collectives", "acc", "same as DP1"]
     body = [[r["layout"], r["config"], str(r["batch_per_rank"]),
-             _fmt(r["tokens_per_s"], ".1f"), _fmt(r["dp2_over_dp1"]),
-             _fmt(r["mtp_over_no_mtp"]),
-             _fmt(r["collective_share"], ".1%"),
-             _fmt(r["acceptance_rate"], ".1%"),
+             fmt(r["tokens_per_s"], ".1f"), fmt(r["dp2_over_dp1"]),
+             fmt(r["mtp_over_no_mtp"]),
+             fmt(r["collective_share"], ".1%"),
+             fmt(r["acceptance_rate"], ".1%"),
              "yes" if r["same_as_dp1_no_mtp"] else "NO"]
             for r in results["rows"]]
-    return _grid(header, body)
+    return grid(header, body)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -198,21 +196,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=benchmark_mtp.DEFAULT_MODEL)
-    p.add_argument("--k", type=benchmark_mtp._ints, default=[1])
-    p.add_argument("--batch-sizes", type=benchmark_mtp._ints, default=[1, 4],
+    p.add_argument("--model", type=Path, default=bench.DEFAULT_MODEL)
+    p.add_argument("--k", type=bench.int_list, default=[1])
+    p.add_argument("--batch-sizes", type=bench.int_list, default=[1, 4],
                    help="prompts per DP rank (DP 1 runs twice as many)")
     p.add_argument("--new-tokens", "-n", type=int, default=32)
     p.add_argument("--repeats", "-r", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "npu", "auto"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    cfg = benchmark_mtp.BenchConfig(model=args.model, ks=args.k,
+    cfg = bench.BenchConfig(model=args.model, ks=args.k,
                                     batch_sizes=args.batch_sizes,
                                     new_tokens=args.new_tokens,
                                     repeats=args.repeats, device=args.device)
     cfg.validate()
-    out = args.out or (benchmark_mtp.ROOT / "benchmarks" / "results" /
+    out = args.out or (bench.ROOT / "benchmarks" / "results" /
                        f"parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results = run(cfg, out.with_suffix(".logs"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(format_table(results))
     print(f"JSON: {out}")
     if not all(r["same_as_dp1_no_mtp"] for r in results["rows"]):
-        raise SystemExit("benchmark_parallel: a layout or MTP changed the "
+        raise SystemExit("tools.bench.parallel: a layout or MTP changed the "
                          "greedy tokens")
     return results
 

@@ -2,10 +2,11 @@
 baseline, in one run.
 
     make nightly                                     # the fixture, ~10 min
-    .venv/bin/python tools/nightly.py --baseline benchmarks/nightly/baseline.json \\
+    .venv/bin/python -m tools.nightly \\
+        --baseline benchmarks/nightly/baseline.json \\
         --out benchmarks/nightly/runs [--model PATH] [--device cpu|npu]
-    .venv/bin/python tools/nightly.py --smoke ...    # one config (CI)
-    .venv/bin/python tools/nightly.py --device npu --preset original \\
+    .venv/bin/python -m tools.nightly --smoke ...   # one config (CI)
+    .venv/bin/python -m tools.nightly --device npu --preset original \\
         --model /home/glm4.5_w8a8_with_float_mtp --prompts prompts.json \\
         --baseline npu.json --update-baseline        # a new model's first run
 
@@ -25,7 +26,7 @@ The prompts are ``--prompts FILE``'s, else the model folder's
 random prompts means nothing). ``--update-baseline`` rewrites the
 baseline's figures from this run, on purpose only; a new baseline (no file,
 or one for another model) is checked with the default tolerances of
-``regress.check.TOLERANCES``. See benchmarks/README.md.
+``tools.nightly.check.TOLERANCES``. See benchmarks/README.md.
 """
 
 import argparse
@@ -38,15 +39,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.bench import run as bench
+from tools.nightly.check import TOLERANCES, compare, table
+from tools.nightly.figures import collect
+from tools.nightly.trend import write_trend
 
-import benchmark_mtp  # noqa: E402
-from regress.check import TOLERANCES, compare, table  # noqa: E402
-from regress.figures import collect  # noqa: E402
-from regress.trend import write_trend  # noqa: E402
-
-logger = logging.getLogger("nightly")
-ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("tools.nightly")
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_VERSION = 1
 
 
@@ -72,10 +71,11 @@ PLANS = {
                   new_tokens=16, repeats=2),
 }
 
-# The original report's serve command, as far as one offline engine takes
-# it: TP 8 with expert parallelism, its batch limits and capture sizes (its
-# DP 2 runs as two such engines behind `vllm serve`; not here).
-ORIGINAL_PRESET = {
+# The reference serve command (DP 2 x TP 8 + EP, W8A8, graph capture
+# sizes), as far as one offline engine takes it: TP 8 with expert
+# parallelism, its batch limits and capture sizes (its DP 2 runs as two such
+# engines behind `vllm serve`; not here). `--preset original` selects it.
+SERVE_PRESET = {
     "tensor_parallel_size": 8, "enable_expert_parallel": True,
     "max_num_seqs": 32, "max_num_batched_tokens": 16384,
     "enable_prefix_caching": False, "seed": 1024,
@@ -102,13 +102,13 @@ def load_prompts(model: Path,
     model's ``heldout_prompts.json``, as token ids, and where they came
     from. Each entry is a string, a list of token ids, or an object with
     ``token_ids`` (used as is) or ``text`` (the model's tokenizer's ids)."""
-    source = path or model / benchmark_mtp.HELDOUT
+    source = path or model / bench.HELDOUT
     if not source.is_file():
         if path is not None:
             raise CannotRun(f"--prompts {path} does not exist")
         raise CannotRun(
             f"no prompts to measure acceptance on: {model} has no "
-            f"{benchmark_mtp.HELDOUT} and no --prompts FILE was given "
+            f"{bench.HELDOUT} and no --prompts FILE was given "
             "(a JSON list of strings); refusing to measure on random prompts")
     bad = CannotRun(
         f"{source}: expected a non-empty JSON list of strings, of token id "
@@ -154,7 +154,7 @@ def reference_results(model: Path, prompts: list[list[int]], ks: list[int],
                       new_tokens: int) -> dict[int, dict[str, Any]]:
     """The offline reference's greedy tokens and acceptance per k."""
     import torch
-    from glm45ref import Glm45Reference, measure_acceptance
+    from tools.reference import Glm45Reference, measure_acceptance
     torch.set_num_threads(1)
     ref = Glm45Reference(model)
     return {k: measure_acceptance(model, prompts, new_tokens, k,
@@ -165,20 +165,20 @@ def measure(args: argparse.Namespace, plan: Plan,
             prompts: list[list[int]], source: str) -> dict[str, Any]:
     out_logs = args.out / f"logs-{time.strftime('%Y%m%d-%H%M%S')}"
     out_logs.mkdir(parents=True, exist_ok=True)
-    # benchmark_mtp takes token id lists from a file.
+    # tools.bench.run takes token id lists from a file.
     prompts_file = out_logs / "prompts.json"
     prompts_file.write_text(json.dumps(prompts) + "\n")
     logger.info("%d prompts from %s", len(prompts), source)
     runs = {}
     for mode, ks in plan.modes.items():
         logger.info("graph mode %s: no MTP and MTP k=%s", mode, ks)
-        cfg = benchmark_mtp.BenchConfig(
+        cfg = bench.BenchConfig(
             model=args.model, ks=ks, batch_sizes=plan.batch_sizes,
             new_tokens=plan.new_tokens, repeats=plan.repeats,
             device=args.device, graph_mode=mode, keep_outputs=True,
             setup=args.setup, engine_overrides=plan.engine,
             prompts_file=prompts_file)
-        runs[mode] = benchmark_mtp.run_benchmark(cfg, out_logs / mode)
+        runs[mode] = bench.run_benchmark(cfg, out_logs / mode)
     reference = None
     if not args.skip_reference:
         logger.info("offline reference (transformers + plain-torch MTP)")
@@ -213,7 +213,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path,
                    default=ROOT / "benchmarks" / "nightly" / "runs",
                    help="directory for the run's JSON and the trend page")
-    p.add_argument("--model", type=Path, default=benchmark_mtp.DEFAULT_MODEL)
+    p.add_argument("--model", type=Path, default=bench.DEFAULT_MODEL)
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSON list of prompts (strings, token id lists, or "
                    "heldout_prompts.json's objects); default: the model's "
@@ -224,7 +224,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="one config (default graph mode, k=1), for CI")
     p.add_argument("--preset", choices=["original"], default=None,
-                   help="original: the report's parallel and graph flags "
+                   help="original: the reference serve command's parallel "
+                   "and graph flags "
                    "(TP 8, EP, capture sizes; needs 8 NPUs)")
     p.add_argument("--skip-reference", action="store_true",
                    help="no offline reference (a checkpoint too large for "
@@ -256,10 +257,11 @@ def update_baseline(path: Path, result: dict[str, Any]) -> dict[str, Any]:
         baseline = old
         logger.info("baseline %s rewritten from this run", path)
     else:
-        baseline = {"note": f"Written by tools/nightly.py --update-baseline "
-                    f"for {model}. Tolerances: the defaults of "
-                    "tools/regress/check.py (TOLERANCES) for its plan; a "
-                    "'tolerances' list here would be checked first."}
+        baseline = {"note": "Written by python -m tools.nightly "
+                    f"--update-baseline for {model}. Tolerances: the "
+                    "defaults of tools/nightly/check.py (TOLERANCES) for "
+                    "its plan; a 'tolerances' list here would be checked "
+                    "first."}
         logger.info("new baseline %s for %s (%s), default tolerances", path,
                     model, "replacing one for " +
                     str(old.get("settings", {}).get("model"))
@@ -293,14 +295,14 @@ def run(args: argparse.Namespace) -> int:
         if args.device != "npu":
             raise CannotRun("--preset original needs --device npu (8 NPUs "
                             "for TP 8)")
-        plan = dataclasses.replace(plan, engine=ORIGINAL_PRESET)
+        plan = dataclasses.replace(plan, engine=SERVE_PRESET)
     if not args.baseline.is_file() and not args.update_baseline:
         raise CannotRun(f"no baseline {args.baseline}; write one with "
                         "--update-baseline")
     if args.compare:
         result = json.loads(args.compare.read_text())
     else:
-        benchmark_mtp.BenchConfig(model=args.model).validate()
+        bench.BenchConfig(model=args.model).validate()
         prompts, source = load_prompts(args.model, args.prompts)
         args.out.mkdir(parents=True, exist_ok=True)
         result = measure(args, plan, prompts, source)

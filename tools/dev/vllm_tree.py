@@ -11,6 +11,10 @@ patches listed in ``patches/vllm/series``, one commit per patch. Subcommands:
 * ``check``: every patch applies on the pristine tag, has a ``[Tag]`` subject,
   a body and ``Signed-off-by``; and each prefix of the series passes the
   tests that its patches add or touch (bisectable).
+
+Run from the repository root: ``python3 -m tools.dev.vllm_tree <subcommand>``.
+Standard library only (``make`` materializes the tree with the system Python
+before the venv exists).
 """
 
 import argparse
@@ -23,10 +27,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fetch_vllm_sdist  # noqa: E402
+from tools.dev import fetch_vllm_sdist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TREE = ROOT / "vllm"
 PATCH_DIR = ROOT / "patches" / "vllm"
 SERIES = PATCH_DIR / "series"

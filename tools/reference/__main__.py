@@ -1,12 +1,12 @@
 """CLI of the offline GLM-4.5 + MTP reference; prints acceptance as JSON.
 
-    python tools/glm45_reference.py --model-dir tests/fixtures/tiny-glm45 \
+    python -m tools.reference --model-dir tests/fixtures/tiny-glm45 \
         --k 1 2 3 --max-new-tokens 48
 
 Prompts default to the checkpoint's ``heldout_prompts.json``; ``--prompts``
 takes a JSON file holding a list of token-id lists or of objects with
-``token_ids``. Importable too: ``measure_acceptance`` and ``Glm45Reference``
-come from the ``glm45ref`` package next to this file.
+``token_ids``. The library is the package: ``from tools.reference import
+Glm45Reference, measure_acceptance``.
 """
 
 import argparse
@@ -17,9 +17,7 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from glm45ref import Glm45Reference, measure_acceptance  # noqa: E402
+from tools.reference import Glm45Reference, measure_acceptance
 
 __all__ = ["Glm45Reference", "load_prompts", "measure_acceptance"]
 

@@ -1,17 +1,17 @@
 """Float vs Ascend W8A8 (``--quantization ascend``), with and without MTP,
 in one run.
 
-    .venv/bin/python tools/benchmark_quantization.py              # ~6 min
-    .venv/bin/python tools/benchmark_quantization.py --k 1,2 --batch-sizes 1,8
-    .venv/bin/python tools/benchmark_quantization.py --model SRC --w8a8 DST
+    .venv/bin/python -m tools.bench.quantization          # ~6 min
+    .venv/bin/python -m tools.bench.quantization --k 1,2 --batch-sizes 1,8
+    .venv/bin/python -m tools.bench.quantization --model SRC --w8a8 DST
 
 The W8A8 checkpoint is ``--w8a8``, or is written from ``--model`` by
-``tools/quantize_w8a8.py --float-mtp`` (the original report's "w8a8 with
-float mtp") into a temporary folder. For each precision,
-``tools/benchmark_mtp.py``'s measurement (no MTP and MTP with each ``--k``,
-fresh engine processes, median decode tokens/s of paired runs); then one
-table with the W8A8/float and MTP/no-MTP ratios side by side, the
-acceptance of each, and one with the weights and peak memory. On the CPU
+``python -m tools.quantize.w8a8 --float-mtp`` (W8A8 with a float MTP
+layer, as in the reference serve command) into a temporary folder. For
+each precision, ``tools.bench.run``'s measurement (no MTP and MTP with
+each ``--k``, fresh engine processes, median decode tokens/s of paired
+runs); then one table with the W8A8/float and MTP/no-MTP ratios side by
+side, the acceptance of each, and one with the weights and peak memory. On the CPU
 reference device the W8A8 kernels are exact integer references (int8
 inputs, int32 accumulation in Python-level torch ops), so W8A8 is slower
 there than float: what carries over to an NPU is the memory and the
@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,28 +30,26 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.bench import run as bench
+from tools.bench.report import MiB, fmt, grid
 
-import benchmark_mtp  # noqa: E402
-from bench.report import MiB, _fmt, _grid  # noqa: E402
-
-logger = logging.getLogger("benchmark_quantization")
-QUANTIZE = Path(__file__).resolve().parent / "quantize_w8a8.py"
+logger = logging.getLogger("tools.bench.quantization")
+QUANTIZE = "tools.quantize.w8a8"
 
 
 def quantize(model: Path, out: Path) -> None:
     logger.info("writing the W8A8 (float MTP) checkpoint of %s to %s", model,
                 out)
     subprocess.run([
-        sys.executable,
-        str(QUANTIZE), "--model",
+        sys.executable, "-m", QUANTIZE, "--model",
         str(model), "--out",
         str(out), "--float-mtp"
     ],
-                   check=True)
+                   check=True,
+                   env=bench.child_env(dict(os.environ)))
 
 
-def run(cfg: benchmark_mtp.BenchConfig, w8a8: Path,
+def run(cfg: bench.BenchConfig, w8a8: Path,
         log_dir: Path) -> dict[str, Any]:
     runs = {}
     for precision, model, overrides in (
@@ -58,7 +57,7 @@ def run(cfg: benchmark_mtp.BenchConfig, w8a8: Path,
         ("w8a8", w8a8, {"quantization": "ascend"}),
     ):
         logger.info("precision %s: %s", precision, model)
-        runs[precision] = benchmark_mtp.run_benchmark(
+        runs[precision] = bench.run_benchmark(
             dataclasses.replace(cfg,
                                 model=model,
                                 engine_overrides={
@@ -162,13 +161,13 @@ def format_tables(results: dict[str, Any]) -> str:
     body = [[
         r["config"],
         str(r["batch_size"]),
-        _fmt(r["float_tokens_per_s"], ".1f"),
-        _fmt(r["w8a8_tokens_per_s"], ".1f"),
-        _fmt(r["w8a8_over_float"]),
-        _fmt(r["float_mtp_over_no_mtp"]),
-        _fmt(r["w8a8_mtp_over_no_mtp"]),
-        _fmt(r["float_acceptance_rate"], ".1%"),
-        _fmt(r["w8a8_acceptance_rate"], ".1%"),
+        fmt(r["float_tokens_per_s"], ".1f"),
+        fmt(r["w8a8_tokens_per_s"], ".1f"),
+        fmt(r["w8a8_over_float"]),
+        fmt(r["float_mtp_over_no_mtp"]),
+        fmt(r["w8a8_mtp_over_no_mtp"]),
+        fmt(r["float_acceptance_rate"], ".1%"),
+        fmt(r["w8a8_acceptance_rate"], ".1%"),
         f"{_same(r['float_same_as_no_mtp'])}, "
         f"{_same(r['w8a8_same_as_no_mtp'])}",
     ] for r in results["rows"]]
@@ -179,9 +178,9 @@ def format_tables(results: dict[str, Any]) -> str:
     mem = [[
         r["precision"], r["config"], f"{r['weights_bytes'] / MiB:.2f}",
         f"{r['drafter_weights_bytes'] / MiB:.2f}",
-        _fmt(r["weights_over_float"]), f"{r['peak_rss_bytes'] / MiB:.0f}"
+        fmt(r["weights_over_float"]), f"{r['peak_rss_bytes'] / MiB:.0f}"
     ] for r in results["memory"]]
-    return _grid(header, body) + "\n\n" + _grid(mem_header, mem)
+    return grid(header, body) + "\n\n" + grid(mem_header, mem)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -189,27 +188,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=benchmark_mtp.DEFAULT_MODEL,
+    p.add_argument("--model", type=Path, default=bench.DEFAULT_MODEL,
                    help="the float checkpoint")
     p.add_argument("--w8a8", type=Path, default=None,
                    help="its Ascend W8A8 checkpoint (default: written by "
-                   "tools/quantize_w8a8.py --float-mtp)")
-    p.add_argument("--k", type=benchmark_mtp._ints, default=[1])
-    p.add_argument("--batch-sizes", type=benchmark_mtp._ints, default=[1, 8])
+                   "python -m tools.quantize.w8a8 --float-mtp)")
+    p.add_argument("--k", type=bench.int_list, default=[1])
+    p.add_argument("--batch-sizes", type=bench.int_list, default=[1, 8])
     p.add_argument("--new-tokens", "-n", type=int, default=32)
     p.add_argument("--repeats", "-r", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", choices=["cpu", "npu", "auto"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    cfg = benchmark_mtp.BenchConfig(model=args.model,
+    cfg = bench.BenchConfig(model=args.model,
                                     ks=args.k,
                                     batch_sizes=args.batch_sizes,
                                     new_tokens=args.new_tokens,
                                     repeats=args.repeats,
                                     dtype=args.dtype,
                                     device=args.device)
-    out = args.out or (benchmark_mtp.ROOT / "benchmarks" / "results" /
+    out = args.out or (bench.ROOT / "benchmarks" / "results" /
                        f"quantization-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with tempfile.TemporaryDirectory() as tmp:
         w8a8 = args.w8a8
@@ -223,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"JSON: {out}")
     if any(r[f"{p}_same_as_no_mtp"] is False for r in results["rows"]
            for p in ("float", "w8a8")):
-        raise SystemExit("benchmark_quantization: MTP changed the greedy "
+        raise SystemExit("tools.bench.quantization: MTP changed the greedy "
                          "tokens")
     return results
 

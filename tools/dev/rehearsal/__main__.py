@@ -1,15 +1,16 @@
-"""Rehearse the original report's ``vllm serve`` at GLM-4.5's real depth
-through the torch_npu contract double (not in CI: ``make rehearsal``).
+"""Rehearse the reference serve command (DP 2 x TP 8 + EP, W8A8, graph
+capture sizes) at GLM-4.5's real depth through the torch_npu contract double
+(not in CI: ``make rehearsal``).
 
-    python tools/rehearse_original.py [--runs mtp,mtp-default-sizes,no-mtp]
+    python -m tools.dev.rehearsal [--runs mtp,mtp-default-sizes,no-mtp]
         [--npu-memory-gib G] [--max-model-len N] [--max-num-batched-tokens N]
 
 1. Builds (once, into a cache directory) a random GLM-4.5 checkpoint with
-   the real config shape and scaled-down widths (``tools/glm45_depth.py``)
-   and quantizes it to W8A8 with a float MTP layer
-   (``tools/quantize_w8a8.py --float-mtp``, ``--dynamic-only`` unless
-   ``--calibrate``).
-2. Serves it with the original command's flags (DP 2 x TP 2 + EP, capture
+   the real config shape and scaled-down widths
+   (``tools/dev/rehearsal/depth.py``) and quantizes it to W8A8 with a float
+   MTP layer (``python -m tools.quantize.w8a8 --float-mtp``,
+   ``--dynamic-only`` unless ``--calibrate``).
+2. Serves it with the reference command's flags (DP 2 x TP 2 + EP, capture
    sizes, ``--quantization ascend``, MTP k=1, ...) on the NPU code paths
    (``VLLM_ASCEND_DEVICE=npu VLLM_ASCEND_NPU_DOUBLE=1``) in the default
    graph mode: with the report's capture sizes (``mtp``), with none given
@@ -45,19 +46,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.demo.serve import ServeProcess, free_port, spec_decode_metrics
+from tools.dev.fetch_vllm_sdist import default_cache_dir
+from tools.dev.rehearsal import depth as glm45_depth
 
-import glm45_depth  # noqa: E402
-from demo_serve import ServeProcess, free_port, spec_decode_metrics  # noqa
-from fetch_vllm_sdist import default_cache_dir  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 GiB = 1 << 30
 MiB = 1 << 20
 SERVED_NAME = "dsv3"
 CAPTURE_SIZES = [1, 4, 8, 16, 32, 48, 64]
 MTP_CONFIG = {"num_speculative_tokens": 1, "method": "glm4_moe_mtp"}
-# The original report passes it; the plugin ignores additional_config
+# The reference serve command passes it; the plugin ignores additional_config
 # (vLLM's own scheduler with chunked prefill is the default in v1).
 ADDITIONAL_CONFIG = {"ascend_scheduler_config": {
     "enabled": True, "enable_chunked_prefill": True}}
@@ -65,15 +64,15 @@ PROMPTS = ["the quiet green frog", "one two three four five six",
            "what is the capital of", "red blue", "count to ten: one"]
 RUNS = ("mtp", "mtp-default-sizes", "no-mtp")
 # Not run by default: the MTP run with the plugin as main was before the
-# fidelity fixes (tools/rehearsal_as_main), which must fail at capture.
+# fidelity fixes (tools/dev/rehearsal/as_main), which must fail at capture.
 AS_MAIN = "mtp-as-main"
-AS_MAIN_PATH = Path(__file__).resolve().parent / "rehearsal_as_main"
+AS_MAIN_PATH = Path(__file__).resolve().parent / "as_main"
 DP, TP = 2, 2
 
 
 @dataclasses.dataclass
 class Flags:
-    """The original command's flags that this tool lets a user scale."""
+    """The reference command's flags that this tool lets a user scale."""
     max_model_len: int = 35000
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 32
@@ -82,7 +81,7 @@ class Flags:
 
 def serve_args(model: Path, port: int, flags: Flags, mtp: bool,
                capture_sizes: Optional[list[int]]) -> list[str]:
-    """The original report's ``vllm serve`` (its DP 2 x TP 8 at DP 2 x TP 2,
+    """The reference ``vllm serve`` command (its DP 2 x TP 8 at DP 2 x TP 2,
     the speculative config without its ``model`` key: the same
     checkpoint)."""
     args = [
@@ -536,11 +535,12 @@ def _quantize(src: Path, dst: Path, calibrate: bool) -> bool:
                               )["params"], "calibrate": calibrate}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return False
-    cmd = [sys.executable, str(ROOT / "tools" / "quantize_w8a8.py"),
-           "--model", str(src), "--out", str(dst), "--float-mtp"]
+    cmd = [sys.executable, "-m", "tools.quantize.w8a8",
+           "--model", str(src.resolve()), "--out", str(dst.resolve()),
+           "--float-mtp"]
     if not calibrate:
         cmd.append("--dynamic-only")
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
     stamp.write_text(json.dumps(want) + "\n")
     return True
 
@@ -621,7 +621,7 @@ def main(argv=None) -> int:
             {n: dataclasses.asdict(v) for n, v in results.items()},
             default=str, indent=1) + "\n")
 
-    print("\n## Rehearsal: the original command at GLM-4.5's depth through "
+    print("\n## Rehearsal: the reference command at GLM-4.5's depth through "
           "the torch_npu double")
     print(f"DP {DP} x TP {TP} + EP, W8A8 with float MTP, hidden "
           f"{args.hidden_size}, emulated NPU {args.npu_memory_gib:g} GiB, "

@@ -1,10 +1,11 @@
 """Decode throughput in each graph mode, with and without MTP, in one run.
 
-    .venv/bin/python tools/benchmark_graph_modes.py            # about 8 min
-    .venv/bin/python tools/benchmark_graph_modes.py --modes eager,FULL_DECODE_ONLY --k 1,2
+    .venv/bin/python -m tools.bench.graph_modes           # about 8 min
+    .venv/bin/python -m tools.bench.graph_modes \
+        --modes eager,FULL_DECODE_ONLY --k 1,2
 
 For each mode (``eager`` is ``--enforce-eager``; the others are vLLM's
-``cudagraph_mode`` values), ``tools/benchmark_mtp.py``'s measurement (no MTP
+``cudagraph_mode`` values), ``tools.bench.run``'s measurement (no MTP
 and MTP with each ``--k``, fresh engine processes, median decode tokens/s of
 paired runs) with that mode, then one table: tokens/s, the MTP/no-MTP and
 graph/eager ratios side by side, acceptance, whether the greedy tokens equal
@@ -19,26 +20,23 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.bench import run as bench
+from tools.bench.report import MiB, config_name, fmt, grid
 
-import benchmark_mtp  # noqa: E402
-from bench.report import MiB, _fmt, _grid, config_name  # noqa: E402
-
-logger = logging.getLogger("benchmark_graph_modes")
+logger = logging.getLogger("tools.bench.graph_modes")
 MODES = ["eager", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-def run(cfg: benchmark_mtp.BenchConfig, modes: list[str],
+def run(cfg: bench.BenchConfig, modes: list[str],
         log_dir: Path) -> dict[str, Any]:
     runs = {}
     for mode in modes:
         logger.info("graph mode %s", mode)
-        runs[mode] = benchmark_mtp.run_benchmark(
+        runs[mode] = bench.run_benchmark(
             dataclasses.replace(cfg, graph_mode=mode), log_dir / mode)
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "settings": {"modes": modes, "k": cfg.ks,
@@ -61,8 +59,8 @@ def rows(runs: dict[str, dict]) -> list[dict[str, Any]]:
         for name, cfg in configs.items():
             for b in cfg["batches"]:
                 batch = b["batch_size"]
-                no_mtp = _batch(configs.get(config_name(0)), batch)
-                ref = _batch(eager.get(name), batch) if eager else None
+                no_mtp = find_batch(configs.get(config_name(0)), batch)
+                ref = find_batch(eager.get(name), batch) if eager else None
                 fwd = b.get("forward_time") or {}
                 out.append({
                     "mode": mode, "config": name, "batch_size": batch,
@@ -84,7 +82,8 @@ def rows(runs: dict[str, dict]) -> list[dict[str, Any]]:
     return out
 
 
-def _batch(cfg: Optional[dict], batch: int) -> Optional[dict]:
+def find_batch(cfg: Optional[dict], batch: int) -> Optional[dict]:
+    """The batch of size ``batch`` in a configuration's result, if any."""
     if cfg is None:
         return None
     return next((b for b in cfg["batches"] if b["batch_size"] == batch),
@@ -96,12 +95,12 @@ def format_tables(results: dict[str, Any]) -> str:
               "graph/eager", "acc", "same as eager", "host ms/step",
               "draft/target"]
     body = [[r["mode"], r["config"], str(r["batch_size"]),
-             _fmt(r["tokens_per_s"], ".1f"), _fmt(r["mtp_over_no_mtp"]),
-             _fmt(r["graph_over_eager"]),
-             _fmt(r["acceptance_rate"], ".1%"),
+             fmt(r["tokens_per_s"], ".1f"), fmt(r["mtp_over_no_mtp"]),
+             fmt(r["graph_over_eager"]),
+             fmt(r["acceptance_rate"], ".1%"),
              "-" if r["same_as_eager"] is None else
              ("yes" if r["same_as_eager"] else "NO"),
-             _fmt(r["host_ms_per_step"]), _fmt(r["draft_over_target"])]
+             fmt(r["host_ms_per_step"]), fmt(r["draft_over_target"])]
             for r in results["rows"]]
     graphs = [["mode", "config", "graphs captured", "capture s",
                "graph pool MiB", "peak RSS MiB"]]
@@ -109,10 +108,10 @@ def format_tables(results: dict[str, Any]) -> str:
         for c in result["configs"]:
             g = c.get("graphs") or {}
             graphs.append([mode, c["name"], str(g.get("captured", 0)),
-                           _fmt(g.get("capture_s")),
-                           _fmt((g.get("pool_bytes") or 0) / MiB),
+                           fmt(g.get("capture_s")),
+                           fmt((g.get("pool_bytes") or 0) / MiB),
                            f"{c['memory']['peak_rss_bytes'] / MiB:.0f}"])
-    return _grid(header, body) + "\n\n" + _grid(graphs[0], graphs[1:])
+    return grid(header, body) + "\n\n" + grid(graphs[0], graphs[1:])
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -122,25 +121,25 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, from {MODES}")
-    p.add_argument("--k", type=benchmark_mtp._ints, default=[1])
-    p.add_argument("--batch-sizes", type=benchmark_mtp._ints,
+    p.add_argument("--k", type=bench.int_list, default=[1])
+    p.add_argument("--batch-sizes", type=bench.int_list,
                    default=[1, 4, 16])
     p.add_argument("--new-tokens", "-n", type=int, default=32)
     p.add_argument("--repeats", "-r", type=int, default=3)
-    p.add_argument("--model", type=Path, default=benchmark_mtp.DEFAULT_MODEL)
+    p.add_argument("--model", type=Path, default=bench.DEFAULT_MODEL)
     p.add_argument("--device", default="cpu", choices=["cpu", "npu", "auto"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"benchmark_graph_modes: unknown mode(s) {unknown}; "
+        raise SystemExit(f"tools.bench.graph_modes: unknown mode(s) {unknown}; "
                          f"use {MODES}")
-    cfg = benchmark_mtp.BenchConfig(model=args.model, ks=args.k,
+    cfg = bench.BenchConfig(model=args.model, ks=args.k,
                                     batch_sizes=args.batch_sizes,
                                     new_tokens=args.new_tokens,
                                     repeats=args.repeats, device=args.device)
-    out = args.out or (benchmark_mtp.ROOT / "benchmarks" / "results" /
+    out = args.out or (bench.ROOT / "benchmarks" / "results" /
                        f"graph-modes-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results = run(cfg, modes, out.with_suffix(".logs"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(format_tables(results))
     print(f"JSON: {out}")
     if any(r["same_as_eager"] is False for r in results["rows"]):
-        raise SystemExit("benchmark_graph_modes: a graph mode changed the "
+        raise SystemExit("tools.bench.graph_modes: a graph mode changed the "
                          "greedy tokens")
     return results
 

@@ -1,16 +1,16 @@
 """Apply the patch series onto another vLLM release and report each patch.
 
-    python tools/rebase_check.py [--version X] [--out DIR]
+    python -m tools.dev.rebase_check [--version X] [--out DIR]
 
 Fetches vLLM's source distribution of that release (default: the newest
 final release on the package index pip is configured with) by name and
 version, prints and records its sha256, commits it on top of v0.11.0 (so
-that the merge finds the series' base blobs) and applies the series onto it one patch at a time with a three-way merge
-(``git am -3``). Each patch is reported as ``applies``, ``already
-upstream`` (nothing left to apply) or ``conflicts`` (the files and the
-number of conflicting hunks; 0 hunks: the file was deleted or moved
-upstream); a patch that conflicts is skipped so that the
-ones after it are still tried. Writes ``rebase-<version>.json`` and
+that the merge finds the series' base blobs) and applies the series onto
+it one patch at a time with a three-way merge (``git am -3``). Each patch
+is reported as ``applies``, ``already upstream`` (nothing left to apply)
+or ``conflicts`` (the files and the number of conflicting hunks; 0 hunks:
+the file was deleted or moved upstream); a patch that conflicts is skipped
+so that the ones after it are still tried. Writes ``rebase-<version>.json`` and
 ``rebase-<version>.md`` to DIR (default ``patches/``). Needs the package
 index (or the sdist in the cache); not part of ``make test``.
 """
@@ -27,8 +27,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-import fetch_vllm_sdist
-import vllm_tree
+from tools.dev import fetch_vllm_sdist, vllm_tree
 
 PROJECT = fetch_vllm_sdist.PROJECT
 SDIST_RE = re.compile(rf"^{PROJECT}-(.+)\.tar\.gz$")

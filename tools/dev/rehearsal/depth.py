@@ -1,6 +1,7 @@
 """Build a random GLM-4.5 checkpoint at the real depth, widths scaled down.
 
-    python tools/glm45_depth.py [--out DIR] [--hidden-size 64] [--seed 0]
+    python -m tools.dev.rehearsal.depth [--out DIR] [--hidden-size 64] \
+        [--seed 0]
 
 GLM-4.5's config shape (``/work/shared/facts/glm45.md``): 92 decoder
 layers, the first 3 dense, then MoE with 160 routed experts, top-8, one
@@ -32,14 +33,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.dev.fetch_vllm_sdist import default_cache_dir
+from tools.reference import corpus
+from tools.reference.checkpoint import save_sharded
+from tools.reference.config import glm45_config
 
-from build_tiny_glm45 import glm45_config  # noqa: E402
-from fetch_vllm_sdist import default_cache_dir  # noqa: E402
-from glm45ref import corpus  # noqa: E402
-from glm45ref.checkpoint import save_sharded  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja")

@@ -1,18 +1,15 @@
-"""Decode throughput of GLM-4.5 with and without MTP, acceptance, memory.
+"""The benchmark library: a configuration (``BenchConfig``), its prompts,
+and runs of one engine configuration per fresh process.
 
-    .venv/bin/python tools/benchmark_mtp.py                  # fixture, k=1
-    .venv/bin/python tools/benchmark_mtp.py --k 1,2 --batch-sizes 1,4
-    .venv/bin/python tools/benchmark_mtp.py --issue3         # = --k "" \
-        --batch-sizes 1,8: the plugin's no-MTP baseline
-
-Each engine configuration (no MTP, then MTP with each ``--k``) runs in a
-fresh process (``tools/bench/engine_child.py``) that, per batch size, makes
-a warm-up run, then ``--repeats`` pairs of timed greedy runs (temperature 0,
+Each engine configuration (no MTP, then MTP with each k) runs in a fresh
+process (``python -m tools.bench.engine_child``) that, per batch size, makes
+a warm-up run, then ``repeats`` pairs of timed greedy runs (temperature 0,
 ignore_eos) over the same prompts: one with ``max_tokens=1`` (prefill and
 first token) and one with ``max_tokens=N``. Decode tokens/s of a pair is
 ``B * (N - 1) / (T_N - T_1)``; the median over the pairs is reported. The
-greedy outputs with MTP must equal those without; the table says so.
-Writes ``--out`` (JSON) and a PNG next to it. See benchmarks/README.md.
+greedy outputs with MTP must equal those without; the comparison says so.
+The command lines are ``tools.bench.mtp``, ``.graph_modes``, ``.parallel``
+and ``.quantization``; see benchmarks/README.md.
 """
 
 import argparse
@@ -28,21 +25,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.bench.report import compare, config_name, outputs_digest
 
-from bench.report import (compare, config_name, format_table,  # noqa: E402
-                          outputs_digest, write_json, write_plot)
+# The parent never imports vLLM (every engine runs in a child process), so
+# it logs with the standard library.
+logger = logging.getLogger("tools.bench")
 
-# The parent never imports vLLM: every engine runs in a child process, and
-# from the repository root `import vllm` would find the vllm/ source tree.
-# So this script logs with the standard library.
-logger = logging.getLogger("benchmark_mtp")
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "tiny-glm45"
-CHILD = Path(__file__).resolve().parent / "bench" / "engine_child.py"
+# The engine process, run as a module of this package from any working
+# directory: the repository root goes on its PYTHONPATH.
+CHILD = "tools.bench.engine_child"
 HELDOUT = "heldout_prompts.json"
 TIMING_METHOD = (
     "decode tokens/s = B*(N-1) / (T_N - T_1): wall time of a greedy run of N "
@@ -88,7 +83,8 @@ class BenchConfig:
     def validate(self) -> None:
         if not (self.model / "config.json").is_file():
             hint = (" (the committed fixture: build it with "
-                    "tools/build_tiny_glm45.py, or pass --model)"
+                    "python -m tests.fixtures.build_tiny_glm45, or pass "
+                    "--model)"
                     if self.model == DEFAULT_MODEL else "")
             raise ValueError(f"no config.json in {self.model}{hint}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -156,6 +152,23 @@ def engine_kwargs(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     return engine
 
 
+def child_command(spec_path: str) -> list[str]:
+    """The command line of one engine process reading ``spec_path``."""
+    return [sys.executable, "-m", CHILD, spec_path]
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository root first on PYTHONPATH, so that
+    ``python -m tools.bench.engine_child`` (and a spec's ``setup`` module,
+    e.g. ``tests.nightly.injections``) imports from any working directory.
+    The root's ``vllm/`` folder is only a namespace package there: the
+    regular package that ``make install``'s ``vllm-tree.pth`` puts on
+    ``sys.path`` wins."""
+    path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p and p != str(ROOT)]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
                log_path: Path) -> dict[str, Any]:
     """One engine configuration in a fresh process; its result dict."""
@@ -176,9 +189,9 @@ def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, str(CHILD), f.name],
+            proc = subprocess.Popen(child_command(f.name),
                                     stdout=subprocess.PIPE, stderr=log,
-                                    text=True, env=env)
+                                    text=True, env=child_env(env))
             timer = threading.Timer(cfg.timeout_s, proc.kill)
             timer.start()
             assert proc.stdout is not None
@@ -266,92 +279,10 @@ def default_out() -> Path:
             f"{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers ('' is an empty list)."""
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}") from None
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    d = BenchConfig()
-    p.add_argument("--model", type=Path, default=d.model,
-                   help="checkpoint directory (default: the tiny fixture)")
-    p.add_argument("--k", type=_ints, default=d.ks,
-                   help="MTP draft lengths, comma-separated ('' for none); "
-                   "no MTP always runs (default: 1)")
-    p.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes,
-                   help="default: 1,4,16")
-    p.add_argument("--new-tokens", "-n", type=int, default=d.new_tokens,
-                   help=f"new tokens per request (default {d.new_tokens})")
-    p.add_argument("--repeats", "-r", type=int, default=d.repeats)
-    p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens)
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="default: longest prompt + N + k, rounded up to 64")
-    p.add_argument("--method", default=d.method)
-    p.add_argument("--device", default=os.environ.get(
-        "VLLM_ASCEND_DEVICE", d.device), choices=["cpu", "npu", "auto"],
-                   help="VLLM_ASCEND_DEVICE for the engines (default cpu)")
-    p.add_argument("--prompts", type=Path, default=None,
-                   help="JSON list of token id lists (default: the model's "
-                   f"{HELDOUT})")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help="torch threads per engine (default 1; 0 keeps "
-                   "torch's default)")
-    p.add_argument("--timeout", type=int, default=d.timeout_s,
-                   help="seconds per engine configuration")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<time>.json);"
-                   " the PNG and engine logs go next to it")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--issue3", action="store_true",
-                   help="the plugin's baseline: no MTP at batch 1 and 8 "
-                   "(same as --k '' --batch-sizes 1,8)")
-    return p.parse_args(argv)
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    ks, batches = args.k, args.batch_sizes
-    if args.issue3:
-        ks, batches = [], [1, 8]
-    return BenchConfig(model=args.model, ks=ks, batch_sizes=batches,
-                       new_tokens=args.new_tokens, repeats=args.repeats,
-                       warmup_tokens=args.warmup_tokens, dtype=args.dtype,
-                       kv_cache_bytes=args.kv_cache_bytes,
-                       max_model_len=args.max_model_len, method=args.method,
-                       device=args.device, prompts_file=args.prompts,
-                       timeout_s=args.timeout, threads=args.threads)
-
-
-def main(argv: Optional[list[str]] = None,
-         emit: Callable[[str], None] = print) -> dict[str, Any]:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    args = parse_args(argv)
-    cfg = config_from_args(args)
-    out = args.out or default_out()
-    try:
-        results = run_benchmark(cfg, out.with_suffix(".logs"))
-    except ValueError as e:
-        raise SystemExit(f"benchmark_mtp: {e}") from None
-    write_json(results, out)
-    emit(format_table(results))
-    emit(f"timing: {TIMING_METHOD}")
-    emit(f"JSON: {out}")
-    if not args.no_plot:
-        png = out.with_suffix(".png")
-        write_plot(results, png)
-        emit(f"plot: {png}")
-    if results["outputs_identical"] is False:
-        raise SystemExit("benchmark_mtp: greedy outputs with MTP differ from "
-                         "those without; the speedups are not valid")
-    return results
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Write an Ascend W8A8 checkpoint (msModelSlim's layout) from a float
 GLM-4.5 checkpoint, for ``vllm serve ... --quantization ascend``.
 
-    python tools/quantize_w8a8.py --model SRC --out DST [--float-mtp]
+    python -m tools.quantize.w8a8 --model SRC --out DST [--float-mtp]
         [--dynamic-only] [--anti-outlier] [--calib-file PROMPTS.json]
 
 Per layer (msModelSlim's names, see vllm_ascend/quantization):

@@ -1,0 +1,109 @@
+"""Decode throughput of GLM-4.5 with and without MTP, acceptance, memory.
+
+    .venv/bin/python -m tools.bench.mtp                   # fixture, k=1
+    .venv/bin/python -m tools.bench.mtp --k 1,2 --batch-sizes 1,4
+    .venv/bin/python -m tools.bench.mtp --baseline        # = --k "" \
+        --batch-sizes 1,8: the plugin's no-MTP baseline
+
+Each engine configuration (no MTP, then MTP with each ``--k``) runs in a
+fresh process (``tools/bench/engine_child.py``) that, per batch size, makes
+a warm-up run, then ``--repeats`` pairs of timed greedy runs (temperature 0,
+ignore_eos) over the same prompts: one with ``max_tokens=1`` (prefill and
+first token) and one with ``max_tokens=N``. Decode tokens/s of a pair is
+``B * (N - 1) / (T_N - T_1)``; the median over the pairs is reported. The
+greedy outputs with MTP must equal those without; the table says so.
+Writes ``--out`` (JSON) and a PNG next to it. See benchmarks/README.md.
+"""
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tools.bench.report import format_table, write_json, write_plot
+from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig,
+                             default_out, int_list, run_benchmark)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = BenchConfig()
+    p.add_argument("--model", type=Path, default=d.model,
+                   help="checkpoint directory (default: the tiny fixture)")
+    p.add_argument("--k", type=int_list, default=d.ks,
+                   help="MTP draft lengths, comma-separated ('' for none); "
+                   "no MTP always runs (default: 1)")
+    p.add_argument("--batch-sizes", type=int_list, default=d.batch_sizes,
+                   help="default: 1,4,16")
+    p.add_argument("--new-tokens", "-n", type=int, default=d.new_tokens,
+                   help=f"new tokens per request (default {d.new_tokens})")
+    p.add_argument("--repeats", "-r", type=int, default=d.repeats)
+    p.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: longest prompt + N + k, rounded up to 64")
+    p.add_argument("--method", default=d.method)
+    p.add_argument("--device", default=os.environ.get(
+        "VLLM_ASCEND_DEVICE", d.device), choices=["cpu", "npu", "auto"],
+                   help="VLLM_ASCEND_DEVICE for the engines (default cpu)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSON list of token id lists (default: the model's "
+                   f"{HELDOUT})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads per engine (default 1; 0 keeps "
+                   "torch's default)")
+    p.add_argument("--timeout", type=int, default=d.timeout_s,
+                   help="seconds per engine configuration")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/<time>.json);"
+                   " the PNG and engine logs go next to it")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--baseline", action="store_true",
+                   help="the plugin's no-MTP baseline: no MTP at batch 1 "
+                   "and 8 (same as --k '' --batch-sizes 1,8)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    ks, batches = args.k, args.batch_sizes
+    if args.baseline:
+        ks, batches = [], [1, 8]
+    return BenchConfig(model=args.model, ks=ks, batch_sizes=batches,
+                       new_tokens=args.new_tokens, repeats=args.repeats,
+                       warmup_tokens=args.warmup_tokens, dtype=args.dtype,
+                       kv_cache_bytes=args.kv_cache_bytes,
+                       max_model_len=args.max_model_len, method=args.method,
+                       device=args.device, prompts_file=args.prompts,
+                       timeout_s=args.timeout, threads=args.threads)
+
+
+def main(argv: Optional[list[str]] = None,
+         emit: Callable[[str], None] = print) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    cfg = config_from_args(args)
+    out = args.out or default_out()
+    try:
+        results = run_benchmark(cfg, out.with_suffix(".logs"))
+    except ValueError as e:
+        raise SystemExit(f"tools.bench.mtp: {e}") from None
+    write_json(results, out)
+    emit(format_table(results))
+    emit(f"timing: {TIMING_METHOD}")
+    emit(f"JSON: {out}")
+    if not args.no_plot:
+        png = out.with_suffix(".png")
+        write_plot(results, png)
+        emit(f"plot: {png}")
+    if results["outputs_identical"] is False:
+        raise SystemExit("tools.bench.mtp: greedy outputs with MTP differ from "
+                         "those without; the speedups are not valid")
+    return results
+
+
+if __name__ == "__main__":
+    main()
