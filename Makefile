@@ -78,8 +78,14 @@ nightly: $(STAMP) apply
 rehearsal: $(STAMP) apply
 	$(PY) tools/rehearse_original.py $(REHEARSAL_ARGS)
 
+# vLLM v0.11.0's ruff and isort settings (pyproject.toml); both run, and
+# either failing fails the target. `ruff check --fix` and `isort` (without
+# --check-only) fix what they can.
+LINT_PATHS := vllm_ascend tests tools
 lint: $(STAMP)
-	$(PY) -m ruff check vllm_ascend tests tools
+	@$(PY) -m ruff check $(LINT_PATHS); ruff=$$?; \
+	$(PY) -m isort --check-only $(LINT_PATHS); isort=$$?; \
+	[ $$ruff -eq 0 ] && [ $$isort -eq 0 ]
 
 clean:
 	rm -rf $(VENV) vllm

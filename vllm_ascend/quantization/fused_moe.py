@@ -20,8 +20,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm_ascend.distributed import moe_comm
 from vllm_ascend.ops.moe.fused_moe import route
 from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
-                                                grouped_mlp_w8a8_npu,
-                                                moe_experts_w8a8)
+                                               grouped_mlp_w8a8_npu,
+                                               moe_experts_w8a8)
 
 
 class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):

@@ -10,9 +10,8 @@ from vllm.distributed import get_ep_group
 
 from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
                                                    MoECommMethod)
-from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
-                                                       pair_rows, tp_share,
-                                                       weighted_sum)
+from vllm_ascend.distributed.moe_comm.exchange import (owner_table, pair_rows,
+                                                       tp_share, weighted_sum)
 
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int],
