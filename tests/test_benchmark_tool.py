@@ -1,21 +1,19 @@
-"""tools/benchmark_mtp.py: its arithmetic, its input checks, and one small
-end-to-end run (batch 1, 4 new tokens, 1 repeat) on a random tiny GLM-4.5
-checked for schema and internal consistency. No timing thresholds."""
+"""The MTP benchmark (``tools.bench.run``, ``python -m tools.bench.mtp``):
+its arithmetic, its input checks, and one small end-to-end run (batch 1,
+4 new tokens, 1 repeat) on a random tiny GLM-4.5 checked for schema and
+internal consistency. No timing thresholds."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from tests.e2e.checkpoints import write_random_glm45
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import benchmark_mtp  # noqa: E402
-from bench import report, stats  # noqa: E402
+from tools.bench import mtp as mtp_cli
+from tools.bench import report
+from tools.bench import run as bench
+from tools.bench import stats
 
 # -- arithmetic ------------------------------------------------------------
 
@@ -76,7 +74,7 @@ def test_compare_flags_different_outputs():
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    cfg = benchmark_mtp.BenchConfig(model=tmp_path / "nope")
+    cfg = bench.BenchConfig(model=tmp_path / "nope")
     with pytest.raises(ValueError, match="no config.json"):
         cfg.validate()
 
@@ -85,20 +83,19 @@ def test_bad_arguments_are_rejected(tmp_path):
     write_random_glm45(tmp_path)
     for bad in (dict(new_tokens=1), dict(batch_sizes=[0]), dict(ks=[0])):
         with pytest.raises(ValueError):
-            benchmark_mtp.BenchConfig(model=tmp_path, **bad).validate()
+            bench.BenchConfig(model=tmp_path, **bad).validate()
     (tmp_path / "p.json").write_text('[["a"]]')
-    cfg = benchmark_mtp.BenchConfig(model=tmp_path,
+    cfg = bench.BenchConfig(model=tmp_path,
                                     prompts_file=tmp_path / "p.json")
     with pytest.raises(ValueError, match="token id lists"):
-        benchmark_mtp.load_prompts(cfg)
+        bench.load_prompts(cfg)
 
 
-def test_issue3_flag_is_the_no_mtp_baseline_at_1_and_8():
-    cfg = benchmark_mtp.config_from_args(
-        benchmark_mtp.parse_args(["--issue3"]))
+def test_baseline_flag_is_the_no_mtp_baseline_at_1_and_8():
+    cfg = mtp_cli.config_from_args(mtp_cli.parse_args(["--baseline"]))
     assert (cfg.ks, cfg.batch_sizes) == ([], [1, 8])
-    cfg = benchmark_mtp.config_from_args(
-        benchmark_mtp.parse_args(["--k", "", "--batch-sizes", "1,8"]))
+    cfg = mtp_cli.config_from_args(
+        mtp_cli.parse_args(["--k", "", "--batch-sizes", "1,8"]))
     assert (cfg.ks, cfg.batch_sizes) == ([], [1, 8])
 
 
@@ -125,17 +122,17 @@ def run(tmp_path_factory):
     model = write_random_glm45(tmp_path_factory.mktemp("rand"))
     prompts = tmp_path_factory.mktemp("p") / "prompts.json"
     prompts.write_text(json.dumps([list(range(1, 12)), [7, 8, 9]]))
-    cfg = benchmark_mtp.BenchConfig(model=model, ks=[1], batch_sizes=[B],
+    cfg = bench.BenchConfig(model=model, ks=[1], batch_sizes=[B],
                                     new_tokens=N, repeats=R, warmup_tokens=2,
                                     kv_cache_bytes=16 << 20,
                                     prompts_file=prompts, timeout_s=300)
     logs = tmp_path_factory.mktemp("logs")
-    return model, benchmark_mtp.run_benchmark(cfg, logs)
+    return model, bench.run_benchmark(cfg, logs)
 
 
 def test_run_schema(run):
     _, res = run
-    assert res["schema_version"] == benchmark_mtp.SCHEMA_VERSION
+    assert res["schema_version"] == bench.SCHEMA_VERSION
     assert res["settings"]["batch_sizes"] == [B]
     assert "T_N - T_1" in res["settings"]["timing_method"]
     assert res["prompts"]["count"] == 2
@@ -224,7 +221,7 @@ def _batch(size, tok_s, outputs, share=0.1, acc=None):
 
 
 def test_parallel_rows_sum_ranks_and_compare_with_dp1():
-    import benchmark_parallel
+    from tools.bench import parallel
     acc = {"num_draft_tokens": 10, "num_accepted_tokens": 9}
     a, b = [[1, 2]], [[3, 4]]
     layouts = {
@@ -239,7 +236,7 @@ def test_parallel_rows_sum_ranks_and_compare_with_dp1():
                                                    acc)]}],
     }
     rows = {(r["layout"], r["config"]): r
-            for r in benchmark_parallel.rows(layouts, [1])}
+            for r in parallel.rows(layouts, [1])}
     dp2 = rows[("dp2_ep", "no_mtp")]
     assert dp2["tokens_per_s"] == 70.0 and dp2["collective_share"] == 0.5
     assert dp2["dp2_over_dp1"] == 0.7 and dp2["same_as_dp1_no_mtp"]
@@ -252,7 +249,7 @@ def test_parallel_rows_sum_ranks_and_compare_with_dp1():
 
 
 def test_quantization_rows_put_precisions_side_by_side():
-    import benchmark_quantization
+    from tools.bench import quantization
 
     def result(tok_s, mtp_tok_s, weights, same=True):
         return {"configs": [
@@ -270,11 +267,11 @@ def test_quantization_rows_put_precisions_side_by_side():
 
     runs = {"float": result(100.0, 150.0, 40),
             "w8a8": result(50.0, 100.0, 10, same=False)}
-    rows = {r["config"]: r for r in benchmark_quantization.rows(runs)}
+    rows = {r["config"]: r for r in quantization.rows(runs)}
     assert rows["no_mtp"]["w8a8_over_float"] == 0.5
     assert rows["mtp_k1"]["float_mtp_over_no_mtp"] == 1.5
     assert rows["mtp_k1"]["w8a8_mtp_over_no_mtp"] == 2.0
     assert rows["mtp_k1"]["float_same_as_no_mtp"] is True
     assert rows["mtp_k1"]["w8a8_same_as_no_mtp"] is False
-    memory = benchmark_quantization.memory_rows(runs)
+    memory = quantization.memory_rows(runs)
     assert [m["weights_over_float"] for m in memory] == [1, 1, 0.25, 0.25]

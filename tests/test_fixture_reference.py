@@ -1,18 +1,17 @@
 """The tiny trained GLM-4.5 checkpoint and the offline MTP reference."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tools.reference import (Glm45Reference, load_tensors, measure_acceptance,
+                             read_config)
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
-sys.path.insert(0, str(ROOT / "tools"))
-from glm45ref import (Glm45Reference, load_tensors,  # noqa: E402
-                      measure_acceptance, read_config)
 
 # The keys of the published GLM-4.5 config.json.
 GLM45_KEYS = {
@@ -266,8 +265,7 @@ def test_heldout_acceptance_k1_is_at_least_80_percent(ref, heldout):
 
 
 def test_heldout_prompts_were_not_training_prefixes(heldout):
-    sys.path.insert(0, str(ROOT / "tools"))
-    from glm45ref import corpus
+    from tools.reference import corpus
 
     info = json.loads((FIXTURE / "build_info.json").read_text())
     args = info["args"]

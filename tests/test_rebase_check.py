@@ -1,16 +1,9 @@
 """The rebase check's classification, offline: the series onto trees whose
 state is known (v0.11.0 itself, the patched tree, a changed file)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import fetch_vllm_sdist  # noqa: E402
-import rebase_check  # noqa: E402
-import vllm_tree  # noqa: E402
+from tools.dev import fetch_vllm_sdist, rebase_check, vllm_tree
 
 SDIST = fetch_vllm_sdist.default_cache_dir() / fetch_vllm_sdist.FILENAME
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.dev import vllm_tree
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import vllm_tree  # noqa: E402
 
 
 def test_export_after_apply_is_byte_identical(tmp_path):
@@ -36,10 +36,9 @@ def _copy_series(tmp_path: Path, mutate) -> Path:
 
 def _check(series: Path) -> subprocess.CompletedProcess:
     return subprocess.run([
-        sys.executable,
-        str(ROOT / "tools" / "vllm_tree.py"), "check", "--no-tests",
+        sys.executable, "-m", "tools.dev.vllm_tree", "check", "--no-tests",
         "--series", str(series)
-    ], capture_output=True, text=True)
+    ], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_check_passes_on_the_series(tmp_path):

@@ -9,17 +9,15 @@ but shows up here.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.engine import run_engine
+from tools.reference.acceptance import Glm45Reference, measure_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
-sys.path.insert(0, str(ROOT / "tools"))
-from glm45ref.acceptance import Glm45Reference, measure_acceptance  # noqa
 
 MAX_NEW = 48
 

@@ -11,8 +11,8 @@ layer, as in the reference serve command) into a temporary folder. For
 each precision, ``tools.bench.run``'s measurement (no MTP and MTP with
 each ``--k``, fresh engine processes, median decode tokens/s of paired
 runs); then one table with the W8A8/float and MTP/no-MTP ratios side by
-side, the acceptance of each, and one with the weights and peak memory. On the CPU
-reference device the W8A8 kernels are exact integer references (int8
+side, the acceptance of each, and one with the weights and peak memory. On
+the CPU reference device the W8A8 kernels are exact integer references (int8
 inputs, int32 accumulation in Python-level torch ops), so W8A8 is slower
 there than float: what carries over to an NPU is the memory and the
 acceptance, not the CPU speed ratio.
