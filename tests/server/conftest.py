@@ -1,13 +1,11 @@
 """Shared helpers for the server tests: the checkpoint and the launcher."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 @pytest.fixture(scope="session")
@@ -18,5 +16,5 @@ def model_dir() -> Path:
     missing = [n for n in needed if not (FIXTURE / n).exists()]
     if missing:
         pytest.skip(f"{FIXTURE} lacks {missing}: build it with "
-                    "tools/build_tiny_glm45.py")
+                    "python -m tests.fixtures.build_tiny_glm45")
     return FIXTURE

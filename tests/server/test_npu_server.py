@@ -1,9 +1,10 @@
-"""The original report's ``vllm serve`` command on the NPU code paths.
+"""The reference ``vllm serve`` command (DP 2 x TP 8 + EP, W8A8, graph
+capture sizes) on the NPU code paths.
 
-Every flag of the report, ``--quantization ascend`` on a W8A8 checkpoint
-with a float MTP layer (tools/quantize_w8a8.py --float-mtp) included, with
-DP and TP 1 and this host's limits (``--max-model-len`` within the
-checkpoint's positions), graph mode by default: the server starts, answers
+Every flag of that command, ``--quantization ascend`` on a W8A8 checkpoint
+with a float MTP layer (``python -m tools.quantize.w8a8 --float-mtp``)
+included, with DP and TP 1 and this host's limits (``--max-model-len``
+within the checkpoint's positions), graph mode by default: the server starts, answers
 completions and chat, and with MTP k = 1 its greedy answers equal those
 without MTP, which equal the offline engine on the same code path.
 """
@@ -15,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_serve import ServeProcess, free_port
 
 from tests.e2e.checkpoints import write_random_glm45
 from tests.e2e.engine import run_engine
 from tests.npu.helpers import NPU_ENV
 from tests.quantization.checkpoints import quantize
+from tools.demo.serve import ServeProcess, free_port
 
 pytestmark = pytest.mark.npu
 

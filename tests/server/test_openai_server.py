@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_serve import (KV_CACHE_BYTES, SERVED_NAME, ServeProcess, free_port,
-                        serve_args, spec_decode_metrics)
 
 from tests.e2e.engine import hf_greedy, run_engine
+from tools.demo.serve import (KV_CACHE_BYTES, SERVED_NAME, ServeProcess,
+                              free_port, serve_args, spec_decode_metrics)
 
 MAX_MODEL_LEN = 256
 MAX_NEW = 24

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_serve import ServeProcess, free_port
 
 from tests.e2e.engine import run_engine
+from tools.demo.serve import ServeProcess, free_port
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
 PROMPTS = ["the quiet green frog", "one two three four five six",

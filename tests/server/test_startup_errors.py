@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from demo_serve import MTP_CONFIG, free_port, serve_args, vllm_executable
 from safetensors.torch import load_file, save_file
 
 from tests.npu.helpers import NPU_ENV
 from tests.quantization.checkpoints import quantize
+from tools.demo.serve import MTP_CONFIG, free_port, serve_args, vllm_executable
 
 TIMEOUT = 240
 # Past this line in the output the engine core is being started: the
@@ -76,7 +76,7 @@ def _cases(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], dict]]:
         out[out.index("--dtype") + 1] = "bfloat16"
         return out + list(extra)
 
-    # W8A8 (tools/quantize_w8a8.py) without one layer's deq_scale, in
+    # W8A8 (tools.quantize.w8a8) without one layer's deq_scale, in
     # the shards and in the description.
     no_scale = quantize(model_dir, tmp / "w8a8-no-scale")
     tensors = load_file(str(no_scale / "model.safetensors"))
