@@ -1,5 +1,5 @@
 """Regressions the nightly must catch, injected into its engine processes
-(``tools/nightly.py --setup tests.nightly.injections:<name>``)."""
+(``python -m tools.nightly --setup tests.nightly.injections:<name>``)."""
 
 import copy
 import time

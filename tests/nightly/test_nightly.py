@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tools.nightly import run as nightly
+from tools.nightly.check import TOLERANCES, check_figure, compare
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import nightly  # noqa: E402
-from regress.check import TOLERANCES, check_figure, compare  # noqa: E402
-
-NIGHTLY = ROOT / "tools" / "nightly.py"
+# `python -m tools.nightly`, run from the repository root (cwd=ROOT).
+NIGHTLY = ["-m", "tools.nightly"]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
 HELDOUT = "heldout_prompts.json"
 BASELINES = ROOT / "benchmarks" / "nightly"
@@ -30,9 +29,9 @@ MODE = "FULL_AND_PIECEWISE"
 def _nightly(out: Path, *args: str,
              baseline: Path = SMOKE_BASELINE) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(NIGHTLY), "--smoke", "--baseline",
+        [sys.executable, *NIGHTLY, "--smoke", "--baseline",
          str(baseline), "--out", str(out), *args],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -115,9 +114,9 @@ def test_baseline_expecting_higher_acceptance_fails(smoke_runs, tmp_path):
     higher = tmp_path / "baseline.json"
     higher.write_text(json.dumps(baseline))
     proc = subprocess.run(
-        [sys.executable, str(NIGHTLY), "--compare", str(run), "--baseline",
+        [sys.executable, *NIGHTLY, "--compare", str(run), "--baseline",
          str(higher), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1
     assert _regressions(proc) == [name]
     assert "-2 pt  REGRESSION" in proc.stdout
@@ -140,7 +139,7 @@ def test_tolerance_kinds():
 
 
 def test_committed_baselines_use_the_default_tolerances():
-    """The tolerances live in one place, regress.check.TOLERANCES: the
+    """The tolerances live in one place, tools.nightly.check.TOLERANCES: the
     committed baselines name their plan and carry none of their own."""
     for name, plan in (("baseline.json", "full"),
                        ("baseline-smoke.json", "smoke")):
@@ -235,9 +234,10 @@ def new_model_runs(tmp_path_factory):
     for name in ("rerun", "damaged"):
         run = next((root / name).glob("nightly-*.json"))
         checks[name] = subprocess.run(
-            [sys.executable, str(NIGHTLY), "--compare", str(run),
+            [sys.executable, *NIGHTLY, "--compare", str(run),
              "--baseline", str(root / "first.json"), "--out",
-             str(root / name)], capture_output=True, text=True, timeout=120)
+             str(root / name)], capture_output=True, text=True, timeout=120,
+            cwd=ROOT)
     return root, checks
 
 
@@ -282,13 +282,13 @@ def test_nightly_on_npu_with_the_original_preset(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(
         [p["text"] for p in json.loads((FIXTURE / HELDOUT).read_text())]))
-    args = [sys.executable, str(NIGHTLY), "--device", "npu", "--preset",
+    args = [sys.executable, *NIGHTLY, "--device", "npu", "--preset",
             "original", "--skip-reference", "--model",
             os.environ["VLLM_ASCEND_NIGHTLY_NPU_MODEL"], "--prompts",
             str(prompts), "--baseline", str(baseline), "--out",
             str(tmp_path / "runs")]
     first = subprocess.run(args + ["--update-baseline"], capture_output=True,
-                           text=True)
+                           text=True, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = subprocess.run(args, capture_output=True, text=True)
+    second = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:]
