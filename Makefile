@@ -10,13 +10,19 @@ PIP_PINS := -c requirements-build.txt -c requirements-lock.txt
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-vllm/.git: patches/vllm/series tools/vllm_tree.py tools/fetch_vllm_sdist.py
-	$(PYTHON) tools/vllm_tree.py materialize
+# The system Python, before the venv exists: tools/dev/vllm_tree.py and
+# fetch_vllm_sdist.py (and the package __init__ files) import only the
+# standard library.
+VLLM_TREE_TOOL := tools/__init__.py tools/dev/__init__.py \
+	tools/dev/vllm_tree.py tools/dev/fetch_vllm_sdist.py
+
+vllm/.git: patches/vllm/series $(VLLM_TREE_TOOL)
+	$(PYTHON) -m tools.dev.vllm_tree materialize
 	@touch $@
 
 # Installs torch 2.8.0, the patched vLLM python-only and editable, the plugin
 # editable and the dev tools. Re-runs only when a requirements file changes.
-$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py pyproject.toml tools/install_npu_double.py
+$(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.txt requirements-lock.txt setup.py pyproject.toml tools/dev/install_npu_double.py
 	$(PY) -m pip install -r requirements-build.txt -r requirements-dev.txt $(PIP_PINS)
 	SETUPTOOLS_SCM_PRETEND_VERSION=0.11.0 VLLM_TARGET_DEVICE=empty \
 	  $(PY) -m pip install --no-build-isolation -e ./vllm $(PIP_PINS)
@@ -24,11 +30,11 @@ $(STAMP): $(VENV)/bin/python vllm/.git requirements-build.txt requirements-dev.t
 	git -C vllm checkout -- vllm/_version.py
 	# Put the tree on sys.path too: a regular package found there beats the
 	# namespace package that ./vllm would be when the repo root is on
-	# sys.path (python -m, tools that import tests.*).
+	# sys.path (python -m tools..., tools that import tests.*).
 	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'vllm-tree.pth').write_text(str(pathlib.Path('vllm').resolve()) + '\n')"
 	# VLLM_ASCEND_NPU_DOUBLE=1: `import torch_npu` finds the test-only
 	# contract double (tests/npu_double) in every process.
-	$(PY) tools/install_npu_double.py
+	$(PY) -m tools.dev.install_npu_double
 	$(PY) -m pip install --no-build-isolation -e . $(PIP_PINS)
 	@touch $@
 
@@ -37,25 +43,25 @@ install: $(STAMP)
 vllm: vllm/.git
 
 apply: vllm/.git
-	$(PYTHON) tools/vllm_tree.py apply
+	$(PYTHON) -m tools.dev.vllm_tree apply
 
 export:
-	$(PYTHON) tools/vllm_tree.py export
+	$(PYTHON) -m tools.dev.vllm_tree export
 
 check-patches: $(STAMP)
-	$(PY) tools/vllm_tree.py check
+	$(PY) -m tools.dev.vllm_tree check
 
 # The series on the newest vLLM release on the package index (or
 # VLLM_VERSION=X): per patch applies / already upstream / conflicts, written
 # to patches/rebase-<version>.{json,md}. Needs the index; not in `make test`.
 rebase-check: $(STAMP)
-	cd tools && ../$(PY) rebase_check.py $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
+	$(PY) -m tools.dev.rebase_check $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
 # The series check (mostly interpreter start-ups, one core) runs next to the
 # tests; its output follows theirs. Both must pass.
 test: $(STAMP) apply
 	@log=$$(mktemp); \
-	$(PY) tools/vllm_tree.py check > $$log 2>&1 & check=$$!; \
+	$(PY) -m tools.dev.vllm_tree check > $$log 2>&1 & check=$$!; \
 	$(PY) -m pytest -q --durations=40 -m "not heavy" tests; tests=$$?; \
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \
@@ -67,16 +73,17 @@ test: $(STAMP) apply
 # tests marked heavy (more parallel layouts, which `make test` leaves out).
 nightly: $(STAMP) apply
 	$(PY) -m pytest -q -m heavy tests
-	$(PY) tools/nightly.py $(NIGHTLY_ARGS)
+	$(PY) -m tools.nightly $(NIGHTLY_ARGS)
 
-# The original report's `vllm serve` (DP 2 x TP 2 + EP, W8A8 with a float
-# MTP layer, its capture sizes, then none, then no MTP) at GLM-4.5's depth
+# The reference serve command (DP 2 x TP 8 + EP, W8A8, graph capture sizes)
+# at DP 2 x TP 2 + EP (W8A8 with a float MTP layer, its capture sizes, then
+# none, then no MTP) at GLM-4.5's depth
 # through the torch_npu double: builds the checkpoint into
 # ~/.cache/vllm-ascend/glm45-depth, prints graphs against the stream budget,
 # device memory by use and MTP == no-MTP. Not in CI; REHEARSAL_ARGS="--runs
 # mtp", "--npu-memory-gib G --max-model-len N --max-num-batched-tokens N".
 rehearsal: $(STAMP) apply
-	$(PY) tools/rehearse_original.py $(REHEARSAL_ARGS)
+	$(PY) -m tools.dev.rehearsal $(REHEARSAL_ARGS)
 
 # vLLM v0.11.0's ruff and isort settings (pyproject.toml); both run, and
 # either failing fails the target. `ruff check --fix` and `isort` (without
@@ -91,6 +98,6 @@ clean:
 	rm -rf $(VENV) vllm
 
 demo: $(STAMP) apply
-	$(PY) tools/demo_spec_config.py
-	$(PY) tools/demo_serve.py
-	$(PY) tools/benchmark_mtp.py
+	$(PY) -m tools.demo.spec_config
+	$(PY) -m tools.demo.serve
+	$(PY) -m tools.bench.mtp
