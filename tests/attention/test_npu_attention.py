@@ -9,7 +9,7 @@ query lengths, block size, mask).
 import pytest
 import torch
 
-from tests.npu.helpers import to_npu, torch_npu_in_process
+from tests.utils.npu import to_npu, torch_npu_in_process
 from vllm_ascend.attention.backend import (AscendAttentionMetadata,
                                            AscendAttentionMetadataBuilder,
                                            classify_batch)

@@ -6,53 +6,9 @@ to multiples of ``1 + k``; batches that hit them and batches that miss them
 (prefill chunks run eager), chunked prefill, forced preemption.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.compilation.conftest import MODES_PER_K, _result
-
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
-ORIGINAL_SIZES = [1, 4, 8, 16, 32, 48, 64]
-MAX_NEW = 20
-
-
-def _prompts() -> list[list[int]]:
-    heldout = json.loads((FIXTURE / "heldout_prompts.json").read_text())
-    ids = [p["token_ids"] for p in heldout]
-    # 11 requests: decode batches of 11, then fewer as requests finish,
-    # i.e. token counts both on and between the capture sizes.
-    return (ids * 3)[:11]
-
-
-def _engine(k: int, **mode) -> dict:
-    engine = dict(model=str(FIXTURE), dtype="float32", max_model_len=256,
-                  max_num_seqs=16, seed=0, enable_chunked_prefill=True,
-                  max_num_batched_tokens=40, num_gpu_blocks_override=20,
-                  block_size=16, **mode)
-    if k:
-        engine["speculative_config"] = dict(method="glm4_moe_mtp",
-                                            num_speculative_tokens=k)
-    return engine
-
-
-def _job(k: int, setup: str | None = None, **mode) -> dict:
-    """``run_engine`` arguments for the test batch with MTP k (0: none)."""
-    prompts = _prompts()
-    # Staggered lengths: requests finish at different steps.
-    sampling = [dict(temperature=0, max_tokens=MAX_NEW - (i % 4),
-                     ignore_eos=True) for i in range(len(prompts))]
-    return dict(engine=_engine(k, **mode), prompts=prompts,
-                sampling=sampling, inspect=True, setup=setup)
-
-
-def _graph_mode(cudagraph_mode: str) -> dict:
-    return dict(compilation_config={"cudagraph_mode": cudagraph_mode,
-                                    "cudagraph_capture_sizes":
-                                    ORIGINAL_SIZES})
-
-
+from tests.compilation.graph_jobs import MODES_PER_K, ORIGINAL_SIZES, result
 
 
 def _accepted(run: dict) -> tuple:
@@ -74,7 +30,7 @@ def _sizes_of(keys, mode: str, role: str = "target") -> dict[int, int]:
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_graph_modes_match_eager_with_mtp(graph_runs, reference, k):
-    eager = _result(graph_runs[(k, "eager")])
+    eager = result(graph_runs[(k, "eager")])
     assert eager["outputs"] == reference
     assert eager["inspect"]["graphs"]["captured"] == {}
     assert eager["metrics"]["vllm:num_preemptions"] > 0
@@ -86,7 +42,7 @@ def test_graph_modes_match_eager_with_mtp(graph_runs, reference, k):
     # 1 + k tokens.
     want_full = [s for s in want_sizes if step <= s <= 16 * step]
     for mode in MODES_PER_K[k]:
-        run = _result(graph_runs[(k, mode)])
+        run = result(graph_runs[(k, mode)])
         info = run["inspect"]
         assert run["outputs"] == reference, mode
         assert _accepted(run) == _accepted(eager), mode

@@ -5,11 +5,11 @@ error; ``test_graph_modes.py`` shows the same runs correct without it."""
 
 import pytest
 
-from tests.compilation.conftest import _result
+from tests.compilation.graph_jobs import result
 
 
 def _run(graph_runs, mutation: str) -> dict:
-    return _result(graph_runs[("mutation", mutation)])
+    return result(graph_runs[("mutation", mutation)])
 
 
 @pytest.mark.parametrize("mutation", [

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.dp_engine import run_dp_engine
-from tests.e2e.engine import run_engines
+from tests.utils.dp_engine import run_dp_engine
+from tests.utils.engine import run_engines
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"
 MAX_MODEL_LEN = 64

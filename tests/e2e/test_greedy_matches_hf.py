@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from tests.e2e.checkpoints import write_random_glm45
-from tests.e2e.engine import hf_greedy, run_engine
+from tests.utils.checkpoints import write_random_glm45
+from tests.utils.engine import hf_greedy, run_engine
 
 MAX_NEW = 32
 

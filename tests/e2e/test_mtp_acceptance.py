@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import run_engine
+from tests.utils.engine import run_engine
 from tools.reference.acceptance import Glm45Reference, measure_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]

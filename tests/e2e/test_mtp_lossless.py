@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from tests.e2e.checkpoints import BASE, write_random_glm45
-from tests.e2e.engine import run_engine, run_engines
+from tests.utils.checkpoints import BASE, write_random_glm45
+from tests.utils.engine import run_engine, run_engines
 
 MAX_NEW = 24
 KV_BYTES = 16 << 20

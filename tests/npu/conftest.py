@@ -4,7 +4,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.npu.helpers import torch_npu_in_process
+from tests.utils.npu import torch_npu_in_process
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ first makes one valid call, then breaks one argument.
 import pytest
 import torch
 
-from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+from tests.utils.npu import REAL_NPU, torch_npu_in_process
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="checks the double; a real NPU has the real contracts")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+from tests.utils.npu import REAL_NPU, torch_npu_in_process
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="contracts of the torch_npu double (a real NPU is "

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from tests.npu.helpers import REAL_NPU, on_both_ranks as _both
+from tests.utils.npu import REAL_NPU, on_both_ranks as _both
 from vllm_ascend.compilation.graph_emulator import (EmulatedGraph,
                                                     GraphCaptureError)
 
@@ -254,7 +254,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 import torch, torch.distributed as dist
-from tests.npu.helpers import torch_npu_in_process
+from tests.utils.npu import torch_npu_in_process
 with torch_npu_in_process():
     from torch_npu._hccl import HcclContractGroup
     store = dist.HashStore()

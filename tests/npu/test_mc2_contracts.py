@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.npu.helpers import REAL_NPU, on_both_ranks
+from tests.utils.npu import REAL_NPU, on_both_ranks
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="checks the double; a real NPU has the real contracts")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.npu.helpers import REAL_NPU, trace_path
+from tests.utils.npu import REAL_NPU, trace_path
 
 PLUGIN = Path(__file__).resolve().parents[2] / "vllm_ascend"
 # The tests that drive the NPU paths; without them the record is partial.

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from tests.e2e.checkpoints import write_random_glm45
-from tests.e2e.dp_engine import run_dp_engine
-from tests.e2e.engine import run_engine
-from tests.npu.helpers import (NPU_ENV, REAL_NPU, assert_equal_up_to_near_tie,
-                               trace_path)
+from tests.utils.checkpoints import write_random_glm45
+from tests.utils.dp_engine import run_dp_engine
+from tests.utils.engine import run_engine
+from tests.utils.npu import (NPU_ENV, REAL_NPU, assert_equal_up_to_near_tie,
+                             trace_path)
 
 TRACE_ENV = "VLLM_ASCEND_NPU_DOUBLE_TRACE"
 

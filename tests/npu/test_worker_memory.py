@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+from tests.utils.npu import REAL_NPU, torch_npu_in_process
 from vllm_ascend.worker import streams
 from vllm_ascend.worker.worker import AscendWorker, _non_torch_memory
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe_loops import experts as experts_loop
-from moe_loops import route
+from tests.ops.moe_loops import experts as experts_loop
+from tests.ops.moe_loops import route
 from vllm_ascend.ops.moe import experts as experts_ops
 from vllm_ascend.ops.moe import routing
 from vllm_ascend.ops.moe.fused_moe import AscendUnquantizedFusedMoEMethod

@@ -176,7 +176,7 @@ def test_norm_bias_on_the_npu_path(norm_bias_config, dtype):
     """The layer on npu_rms_norm / npu_add_rms_norm (the torch_npu double
     off an NPU) gives the CPU reference's biased output and un-biased
     residual."""
-    from tests.npu.helpers import to_npu, torch_npu_in_process
+    from tests.utils.npu import to_npu, torch_npu_in_process
     layer = _biased_norm(dtype)
     g = torch.Generator().manual_seed(4)
     x, res = (torch.randn(2, 5, 32, generator=g) * 2).to(dtype).unbind(0)

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.npu.helpers import REAL_NPU, to_npu, torch_npu_in_process
+from tests.utils.npu import REAL_NPU, to_npu, torch_npu_in_process
 from vllm_ascend.ops import activation, layernorm
 from vllm_ascend.ops import rotary_embedding as rope_ops
 from vllm_ascend.ops.moe import experts, routing

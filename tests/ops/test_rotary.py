@@ -107,7 +107,7 @@ def test_exact_cache_is_computed_on_the_host(vllm_config):
     the float64 angles must not be computed there (the NPU has no float64
     kernels, and the torch_npu double refuses float64 on its device); the
     float32 table lands on the device."""
-    from tests.npu.helpers import REAL_NPU, torch_npu_in_process
+    from tests.utils.npu import REAL_NPU, torch_npu_in_process
     with torch_npu_in_process():
         with torch.device("npu" if REAL_NPU else "cpu"):
             rope = rope_ops.AscendRotaryEmbedding(HEAD, HEAD // 2, 4096, BASE,

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.quantization.checkpoints import (FIXTURE, float_anti_outlier,
-                                           quantize)
+from tests.utils.quantized_checkpoints import (FIXTURE, float_anti_outlier,
+                                               quantize)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.npu.helpers import to_npu, torch_npu_in_process
+from tests.utils.npu import to_npu, torch_npu_in_process
 from vllm_ascend.ops import quant
 from vllm_ascend.ops.moe import experts, quant_experts
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.quantization.checkpoints import FIXTURE, _tool
+from tests.utils.quantized_checkpoints import FIXTURE, _tool
 from vllm_ascend import checks
 from vllm_ascend.quantization.description import (DESCRIPTION_FILE,
                                                   QuantDescription)

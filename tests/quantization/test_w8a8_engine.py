@@ -17,10 +17,10 @@ from collections import defaultdict
 import pytest
 from safetensors import safe_open
 
-from tests.e2e.checkpoints import write_random_glm45
-from tests.e2e.engine import run_engines
-from tests.npu.helpers import NPU_ENV
-from tests.quantization.checkpoints import FIXTURE, quantize
+from tests.utils.checkpoints import write_random_glm45
+from tests.utils.engine import run_engines
+from tests.utils.npu import NPU_ENV
+from tests.utils.quantized_checkpoints import FIXTURE, quantize
 
 MAX_NEW = 20
 VOCAB = json.loads((FIXTURE / "config.json").read_text())["vocab_size"]

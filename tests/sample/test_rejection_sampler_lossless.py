@@ -15,11 +15,11 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-from rs_helpers import (bonus_tensor, sampling_metadata,
-                        spec_metadata_from_tensor)
 from scipy import stats
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
+from tests.sample.rs_helpers import (bonus_tensor, sampling_metadata,
+                                     spec_metadata_from_tensor)
 from vllm_ascend.sample import AscendRejectionSampler
 
 VOCAB = 12

@@ -1,8 +1,9 @@
 """Seeded requests are reproducible whatever else is in the batch."""
 
 import torch
-from rs_helpers import GREEDY, bonus_tensor, sampling_metadata, spec_metadata
 
+from tests.sample.rs_helpers import (GREEDY, bonus_tensor, sampling_metadata,
+                                     spec_metadata)
 from vllm_ascend.sample import AscendRejectionSampler
 
 VOCAB = 32

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.checkpoints import write_random_glm45
+from tests.utils.checkpoints import write_random_glm45
 from vllm_ascend import checks
 from vllm_ascend.checks import (check_glm45_checkpoint,
                                 check_sampling_params, expected_glm45_tensors)

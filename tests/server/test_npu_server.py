@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.checkpoints import write_random_glm45
-from tests.e2e.engine import run_engine
-from tests.npu.helpers import NPU_ENV
-from tests.quantization.checkpoints import quantize
+from tests.utils.checkpoints import write_random_glm45
+from tests.utils.engine import run_engine
+from tests.utils.npu import NPU_ENV
+from tests.utils.quantized_checkpoints import quantize
 from tools.demo.serve import ServeProcess, free_port
 
 pytestmark = pytest.mark.npu

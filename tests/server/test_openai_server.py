@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.engine import hf_greedy, run_engine
+from tests.utils.engine import hf_greedy, run_engine
 from tools.demo.serve import (KV_CACHE_BYTES, SERVED_NAME, ServeProcess,
                               free_port, serve_args, spec_decode_metrics)
 

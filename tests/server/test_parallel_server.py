@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.engine import run_engine
+from tests.utils.engine import run_engine
 from tools.demo.serve import ServeProcess, free_port
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-glm45"

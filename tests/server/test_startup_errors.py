@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.npu.helpers import NPU_ENV
-from tests.quantization.checkpoints import quantize
+from tests.utils.npu import NPU_ENV
+from tests.utils.quantized_checkpoints import quantize
 from tools.demo.serve import MTP_CONFIG, free_port, serve_args, vllm_executable
 
 TIMEOUT = 240

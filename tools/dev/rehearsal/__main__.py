@@ -507,7 +507,7 @@ def compare(mtp: RunResult, base: RunResult,
             near_tie: float = 0.25) -> list[str]:
     """MTP's greedy tokens against no-MTP's, request by request; a
     difference at a near tie (top-2 log-probs within ``near_tie``, as in
-    tests/npu/helpers.py) is named as such."""
+    tests/utils/npu.py) is named as such."""
     lines = []
     for i, (got, want) in enumerate(zip(mtp.outputs, base.outputs)):
         if got == want:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from tests.e2e.engine import RUNNER
+from tests.utils.engine import RUNNER
 
 
 def _free_port() -> int:
