@@ -206,7 +206,8 @@ def measure(args: argparse.Namespace, plan: Plan,
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.nightly", description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", type=Path, default=None,
                    help="default: benchmarks/nightly/baseline.json "
                    "(baseline-smoke.json with --smoke)")

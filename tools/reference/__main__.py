@@ -40,7 +40,8 @@ def load_prompts(path: Path) -> list[list[int]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.reference", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--prompts", type=Path, default=None,
                         help="default: <model-dir>/heldout_prompts.json")
