@@ -547,7 +547,8 @@ def _quantize(src: Path, dst: Path, calibrate: bool) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.dev.rehearsal", description=__doc__.split("\n")[0])
+        prog="python -m tools.dev.rehearsal",
+        description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path,
                         default=default_cache_dir() / "glm45-depth",
                         help="cache directory of the checkpoints")
