@@ -71,7 +71,7 @@ class QuantDescription:
             raise ValueError(
                 f"{source} lists no tensors: it is not an Ascend "
                 "quantization description; re-export the checkpoint with "
-                "msModelSlim or tools/quantize_w8a8.py.")
+                "msModelSlim or python -m tools.quantize.w8a8.")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "QuantDescription":
@@ -80,7 +80,7 @@ class QuantDescription:
             raise ValueError(
                 f"--quantization ascend needs {DESCRIPTION_FILE} in "
                 f"{model_dir}, and there is none: serve a W8A8 checkpoint "
-                "exported by msModelSlim (or tools/quantize_w8a8.py), or "
+                "exported by msModelSlim (or python -m tools.quantize.w8a8), or "
                 "drop --quantization ascend for a float checkpoint.")
         try:
             entries = json.loads(path.read_text())
