@@ -1,7 +1,6 @@
-"""W8A8 checkpoints written by tools/quantize_w8a8.py, for the tests."""
+"""W8A8 checkpoints written by ``tools.quantize.w8a8``, for the tests."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import shutil
@@ -9,16 +8,15 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from tools.quantize import w8a8
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "quantize_w8a8", ROOT / "tools" / "quantize_w8a8.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The quantization tool's module (``python -m tools.quantize.w8a8``)."""
+    return w8a8
 
 
 def quantize(src: Path, dst: Path, *flags: str) -> Path:
