@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.e2e.checkpoints import write_random_glm45
+from tests.utils.checkpoints import write_random_glm45
 from tools.bench import mtp as mtp_cli
 from tools.bench import report
 from tools.bench import run as bench
