@@ -1,7 +1,9 @@
 """vllm_ascend: Ascend NPU platform plugin for vLLM v0.11.0 (patched).
 
-On a host where torch_npu sees an NPU the plugin runs on ``npu``; elsewhere
-it runs the same platform on the CPU reference device.
+On a host where torch_npu sees an NPU the plugin runs on ``npu``
+(``NpuPlatform``); elsewhere on the CPU reference device
+(``CpuReferencePlatform``), or, with the torch_npu contract double, the NPU
+code paths on CPU tensors.
 """
 
 import logging
@@ -25,10 +27,11 @@ _share_vllm_logging()
 
 
 def register() -> str:
-    """``vllm.platform_plugins`` entry point: the platform class to use."""
-    from vllm_ascend import startup_errors
+    """``vllm.platform_plugins`` entry point: the platform class of the
+    device this process runs on."""
+    from vllm_ascend import device, startup_errors
     startup_errors.install()
-    return "vllm_ascend.platform.AscendPlatform"
+    return device.platform_class()
 
 
 def register_ops() -> None:

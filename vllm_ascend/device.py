@@ -2,7 +2,11 @@
 
 The choice is made once per process and never falls back silently: a host
 where torch_npu is installed but does not import is an error, and so is a
-forced ``npu`` without torch_npu.
+forced ``npu`` without torch_npu. It answers two questions, one function
+each: :func:`npu_kernels` (do the NPU code paths run: torch_npu kernels,
+device graphs, HCCL?) and :func:`tensor_device_type` (where do tensors
+live?). The answers differ only under the torch_npu contract double, which
+runs the NPU code paths on CPU tensors.
 """
 
 import functools
@@ -32,7 +36,7 @@ class DeviceChoice:
             object.__setattr__(self, "torch_device_type", self.device_type)
 
     @property
-    def is_npu(self) -> bool:
+    def npu_kernels(self) -> bool:
         return self.device_type == "npu"
 
 
@@ -91,12 +95,35 @@ def choose(requested: str, torch_npu_installed: bool) -> DeviceChoice:
     return DeviceChoice(*CPU, reason="torch_npu sees no NPU")
 
 
+def npu_kernels() -> bool:
+    """Whether this process runs the NPU code paths (torch_npu kernels,
+    device graphs, HCCL), on an NPU or through the contract double; False
+    on the CPU reference device."""
+    return current().npu_kernels
+
+
+def tensor_device_type() -> str:
+    """Where this process's tensors live: "npu", or "cpu" (the reference
+    device, and the NPU code paths under the contract double)."""
+    return current().torch_device_type
+
+
+def tensor_dispatch_key() -> str:
+    """The torch dispatch key of this process's tensors."""
+    return "PrivateUse1" if tensor_device_type() == "npu" else "CPU"
+
+
+def platform_class() -> str:
+    """The vLLM platform of this process's device."""
+    if npu_kernels():
+        return "vllm_ascend.platform.NpuPlatform"
+    return "vllm_ascend.platform.CpuReferencePlatform"
+
+
 def tensor_device(local_rank: int):
-    """The torch device of this rank's tensors. The one place where the
-    NPU code paths under the contract double differ from a real NPU."""
+    """The torch device of this rank's tensors."""
     import torch
-    choice = current()
-    if choice.torch_device_type == "npu":
+    if tensor_device_type() == "npu":
         return torch.device("npu", local_rank)
     return torch.device("cpu")
 
@@ -105,6 +132,7 @@ def tensor_device(local_rank: int):
 def current() -> DeviceChoice:
     choice = choose(envs.requested_device(),
                     importlib.util.find_spec("torch_npu") is not None)
-    logger.info("vllm_ascend runs on %s (%s).", choice.device_type,
-                choice.reason)
+    logger.info("vllm_ascend runs on %s (%s); ops use the %s kernels.",
+                choice.device_type, choice.reason,
+                "torch_npu" if choice.npu_kernels else "torch reference")
     return choice

@@ -83,7 +83,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
 
     # "1" skips the startup check that a local GLM-4.5 checkpoint holds
     # every tensor its config needs. vLLM's own tests of the patch series
-    # build partial checkpoints on purpose (tools/vllm_tree.py sets it for
+    # build partial checkpoints on purpose (tools/dev/vllm_tree.py sets it for
     # them).
     VLLM_ASCEND_SKIP_CHECKPOINT_CHECK_ENV:
     _flag(VLLM_ASCEND_SKIP_CHECKPOINT_CHECK_ENV),

@@ -1,4 +1,6 @@
-"""The vLLM platform of the plugin: an Ascend NPU or the CPU reference."""
+"""The vLLM platforms of the plugin, one per device: ``NpuPlatform`` (the
+NPU code paths) and ``CpuReferencePlatform`` (the torch reference kernels,
+eager). ``vllm_ascend.register`` names the one ``device.current`` chose."""
 
 import os
 from typing import TYPE_CHECKING, Optional
@@ -19,11 +21,6 @@ else:
 
 logger = init_logger(__name__)
 
-_choice = device.current()
-
-# NPU kernels are tuned for 128-token blocks; the CPU reference device
-# defaults to 16 so that small test caches still have many blocks.
-DEFAULT_BLOCK_SIZE = 128 if _choice.is_npu else 16
 # npu_fused_infer_attention_score with a paged KV cache: block_size a
 # multiple of 128 in [128, 512]; in the TND layout (head dim != 512) query,
 # key and value bfloat16 only (op-plugin 7.2.0
@@ -35,84 +32,19 @@ NPU_DTYPES = [torch.bfloat16]
 NPU_HEAD_SIZES = (128, 192)
 
 
-class AscendPlatform(Platform):
+class AscendPlatformBase(Platform):
+    """What the NPU and the CPU reference device share: the attention
+    backend, the communicator, ``--quantization ascend``, the checks and the
+    graph settings. One subclass per device holds the rest."""
     _enum = PlatformEnum.OOT
-    # The type of the tensors' device ("cpu" under the torch_npu double):
-    # vLLM builds torch devices from both names.
-    device_name: str = _choice.torch_device_type
-    device_type: str = _choice.torch_device_type
-    dispatch_key: str = ("PrivateUse1" if _choice.torch_device_type == "npu"
-                         else "CPU")
-    ray_device_key: str = "NPU" if _choice.is_npu else ""
-    dist_backend: str = _choice.dist_backend
-    # vLLM sets it per engine (data parallel ranks); the CPU reference
-    # device has nothing to hide but needs a real variable name.
-    device_control_env_var: str = ("ASCEND_RT_VISIBLE_DEVICES"
-                                   if _choice.is_npu else
-                                   "VLLM_ASCEND_CPU_VISIBLE_DEVICES")
     simple_compile_backend: str = "eager"
-
-    @property
-    def supported_dtypes(self) -> list[torch.dtype]:
-        if _choice.is_npu:
-            return list(NPU_DTYPES)
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def support_static_graph_mode(cls) -> bool:
-        # vLLM then computes the capture sizes; configure_graph_mode decides
-        # what runs.
-        return True
-
-    @classmethod
-    def get_static_graph_wrapper_cls(cls) -> str:
-        return "vllm_ascend.compilation.graph_wrapper.AscendGraphWrapper"
-
-    @classmethod
-    def graph_pool_handle(cls):
-        from vllm_ascend.compilation.graph_wrapper import device_graph_api
-        return device_graph_api().graph_pool_handle()
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        # Pinned host memory needs an accelerator runtime.
-        return _choice.torch_device_type == "npu"
-
-    @classmethod
-    def get_device_name(cls, device_id: int = 0) -> str:
-        if _choice.is_npu:
-            return torch.npu.get_device_name(device_id)
-        return "cpu-reference"
-
-    @classmethod
-    def get_device_total_memory(cls, device_id: int = 0) -> int:
-        if _choice.is_npu:
-            return torch.npu.get_device_properties(device_id).total_memory
-        import psutil
-        return psutil.virtual_memory().total
-
-    @classmethod
-    def set_device(cls, device_: torch.device) -> None:
-        # The NPU is a per-thread context: vLLM's Ray executor selects the
-        # worker's device here on its compiled-DAG thread. Under the
-        # torch_npu double the worker's tensors are on the CPU: no NPU to
-        # select.
-        if _choice.is_npu and device_.type == "npu":
-            torch.npu.set_device(device_.index)
+    # NPU kernels are tuned for 128-token blocks.
+    default_block_size: int = 128
+    worker_cls: str = ""
 
     @classmethod
     def inference_mode(cls):
         return torch.inference_mode(mode=True)
-
-    @classmethod
-    def get_current_memory_usage(cls,
-                                 device_: Optional[torch.types.Device] = None
-                                 ) -> float:
-        if _choice.is_npu:
-            torch.npu.reset_peak_memory_stats(device_)
-            return torch.npu.max_memory_allocated(device_)
-        import psutil
-        return psutil.Process().memory_info().rss
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend: "_Backend", head_size: int,
@@ -164,24 +96,18 @@ class AscendPlatform(Platform):
             vllm_config.model_config.disable_cascade_attn = True
         cache_config = vllm_config.cache_config
         if cache_config is not None and cache_config.block_size is None:
-            cache_config.block_size = DEFAULT_BLOCK_SIZE
-        if _choice.is_npu:
-            _check_npu_limits(vllm_config)
+            cache_config.block_size = cls.default_block_size
+        cls.check_device_limits(vllm_config)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
-            parallel_config.worker_cls = (
-                "vllm_ascend.worker.worker.AscendWorker")
+            parallel_config.worker_cls = cls.worker_cls
         if parallel_config.enable_dbo:
             logger.warning("Dual-batch overlap is not supported by "
                            "vllm_ascend; disabled.")
             parallel_config.enable_dbo = False
 
-        scheduler_config = vllm_config.scheduler_config
-        if scheduler_config.async_scheduling and not _choice.is_npu:
-            logger.warning("Async scheduling needs device streams; disabled "
-                           "on the CPU reference device.")
-            scheduler_config.async_scheduling = False
+        cls.check_scheduling(vllm_config.scheduler_config)
 
         check_mtp_config(vllm_config)
         checks.check_parallel_layout(vllm_config)
@@ -199,6 +125,129 @@ class AscendPlatform(Platform):
     def validate_request(cls, prompt, params, processed_inputs) -> None:
         super().validate_request(prompt, params, processed_inputs)
         checks.check_sampling_params(params)
+
+    @classmethod
+    def check_device_limits(cls, vllm_config: "VllmConfig") -> None:
+        """What the device's kernels cannot run fails at startup."""
+
+    @classmethod
+    def check_scheduling(cls, scheduler_config) -> None:
+        """Turn off what the device's runner cannot schedule."""
+
+
+class NpuPlatform(AscendPlatformBase):
+    """The NPU code paths: torch_npu kernels, device graphs and HCCL, on an
+    Ascend NPU, or on CPU tensors through the torch_npu contract double
+    (``device.tensor_device_type``)."""
+    # vLLM builds torch devices from both names.
+    device_name: str = device.tensor_device_type()
+    device_type: str = device.tensor_device_type()
+    dispatch_key: str = device.tensor_dispatch_key()
+    ray_device_key: str = "NPU"
+    dist_backend: str = "hccl"
+    # vLLM sets it per engine (data parallel ranks).
+    device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    supported_dtypes: list[torch.dtype] = list(NPU_DTYPES)
+    worker_cls = "vllm_ascend.worker.worker.NpuWorker"
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        # vLLM then computes the capture sizes; configure_graph_mode decides
+        # what runs.
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return "vllm_ascend.compilation.graph_wrapper.AscendGraphWrapper"
+
+    @classmethod
+    def graph_pool_handle(cls):
+        return torch.npu.graph_pool_handle()
+
+    @classmethod
+    def mem_get_info(cls, device_=None) -> tuple[int, int]:
+        return torch.npu.mem_get_info(device_)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        # Pinned host memory needs the NPU runtime (not the double's CPU
+        # tensors).
+        return device.tensor_device_type() == "npu"
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return torch.npu.get_device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return torch.npu.get_device_properties(device_id).total_memory
+
+    @classmethod
+    def set_device(cls, device_: torch.device) -> None:
+        # The NPU is a per-thread context: vLLM's Ray executor selects the
+        # worker's device here on its compiled-DAG thread. Under the
+        # torch_npu double the worker's tensors are on the CPU: no NPU to
+        # select.
+        if device_.type == "npu":
+            torch.npu.set_device(device_.index)
+
+    @classmethod
+    def get_current_memory_usage(cls,
+                                 device_: Optional[torch.types.Device] = None
+                                 ) -> float:
+        torch.npu.reset_peak_memory_stats(device_)
+        return torch.npu.max_memory_allocated(device_)
+
+    @classmethod
+    def check_device_limits(cls, vllm_config: "VllmConfig") -> None:
+        _check_npu_limits(vllm_config)
+
+
+class CpuReferencePlatform(AscendPlatformBase):
+    """The torch reference kernels on the CPU, run eager as vLLM's CPU
+    backend runs: no device graphs (they run on an NPU, or on the CPU
+    through the torch_npu double), no async scheduling."""
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    ray_device_key: str = ""
+    dist_backend: str = "gloo"
+    # vLLM sets it per engine (data parallel ranks); nothing to hide on the
+    # CPU, but it needs a variable name.
+    device_control_env_var: str = "VLLM_ASCEND_CPU_VISIBLE_DEVICES"
+    supported_dtypes: list[torch.dtype] = [
+        torch.bfloat16, torch.float16, torch.float32
+    ]
+    # Small test caches still have many blocks.
+    default_block_size = 16
+    worker_cls = "vllm_ascend.worker.worker.CpuReferenceWorker"
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "cpu-reference"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def get_current_memory_usage(cls,
+                                 device_: Optional[torch.types.Device] = None
+                                 ) -> float:
+        import psutil
+        return psutil.Process().memory_info().rss
+
+    @classmethod
+    def check_scheduling(cls, scheduler_config) -> None:
+        if scheduler_config.async_scheduling:
+            logger.warning("Async scheduling needs device streams; disabled "
+                           "on the CPU reference device.")
+            scheduler_config.async_scheduling = False
 
 
 def _check_npu_limits(vllm_config: "VllmConfig") -> None:
@@ -223,4 +272,4 @@ def _check_npu_limits(vllm_config: "VllmConfig") -> None:
             f"--block-size {block_size} is not supported on the Ascend NPU "
             "(the fused attention needs a multiple of "
             f"{NPU_BLOCK_SIZE_MULTIPLE} in [{low}, {high}]): use --block-size "
-            f"{DEFAULT_BLOCK_SIZE}.")
+            f"{NpuPlatform.default_block_size}.")

@@ -124,7 +124,7 @@ def test_full_graph_tasks_share_one_workspace(npu_ops):
     update pass the one workspace ``_get_max_workspace`` gave the graph
     (the double refuses a graph launch or update without it, or with
     another one); the updated replay attends with the new lengths."""
-    from vllm_ascend.compilation import attention_tasks, graph_emulator
+    from vllm_ascend.attention import graph_tasks
     torch.manual_seed(0)
     dtype = torch.bfloat16
     key_cache = torch.randn(8, BLOCK, KV_HEADS, DIM).to(dtype)
@@ -137,17 +137,17 @@ def test_full_graph_tasks_share_one_workspace(npu_ops):
     captured = _metadata([2, 2], [131, 3], block_tables, slots)
     replayed = _metadata([1, 3], [7, 200], block_tables, slots)
 
-    graph = graph_emulator.NPUGraph()
-    tasks: list[attention_tasks.AttentionTask] = []
-    with graph_emulator.graph(graph), attention_tasks.collecting(tasks):
+    graph = torch.npu.NPUGraph()
+    tasks: list[graph_tasks.AttentionTask] = []
+    with torch.npu.graph(graph), graph_tasks.collecting(tasks):
         for i, out in enumerate(outputs):
-            attention_tasks.launch_task(f"layer.{i}", npu_ops, query,
+            graph_tasks.launch_task(f"layer.{i}", npu_ops, query,
                                         key_cache, value_cache, captured,
                                         DIM**-0.5, out)
     assert len(tasks) == 2 and tasks[0].workspace is not None
     assert tasks[1].workspace is tasks[0].workspace
 
-    attention_tasks.update_tasks(tasks, {
+    graph_tasks.update_tasks(tasks, {
         "layer.0": replayed,
         "layer.1": replayed
     })
@@ -159,7 +159,7 @@ def test_full_graph_tasks_share_one_workspace(npu_ops):
         torch.testing.assert_close(out.float(), want.float(), rtol=2e-2,
                                    atol=2e-2)
     # An idle DP rank's replay: not updated, the captured workspace stays.
-    attention_tasks.update_tasks(tasks, None)
+    graph_tasks.update_tasks(tasks, None)
     graph.replay()
 
 

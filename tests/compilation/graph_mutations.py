@@ -14,13 +14,13 @@ RUNS = {"stale_attention_lengths": 1, "rebound_slot_mapping": 1,
 def stale_attention_lengths() -> None:
     """Replay without updating the attention tasks (the event is recorded,
     so the replay runs): attention keeps the lengths of the capture."""
-    from vllm_ascend.compilation import attention_tasks
+    from vllm_ascend.attention import graph_tasks
 
     def record_only(tasks, attn_metadata):
         for task in tasks:
             task.event.record(None)
 
-    attention_tasks.update_tasks = record_only
+    graph_tasks.update_tasks = record_only
 
 
 def rebound_slot_mapping() -> None:

@@ -1,5 +1,6 @@
-"""Graph modes with MTP on the CPU reference device: same tokens, same
-acceptance as eager, and graphs really captured and replayed.
+"""Graph modes with MTP on the NPU code paths (through the torch_npu double
+without an NPU): same tokens, same acceptance as eager, and graphs really
+captured and replayed.
 
 The original command's capture sizes ``[1, 4, 8, 16, 32, 48, 64]``, rounded
 to multiples of ``1 + k``; batches that hit them and batches that miss them
@@ -8,7 +9,9 @@ to multiples of ``1 + k``; batches that hit them and batches that miss them
 
 import pytest
 
-from tests.compilation.graph_jobs import MODES_PER_K, ORIGINAL_SIZES, result
+from tests.compilation.graph_jobs import (MAX_BATCHED_TOKENS, MAX_NUM_SEQS,
+                                          MODES_PER_K, NUM_LAYERS,
+                                          ORIGINAL_SIZES, result)
 
 
 def _accepted(run: dict) -> tuple:
@@ -37,10 +40,10 @@ def test_graph_modes_match_eager_with_mtp(graph_runs, reference, k):
 
     step = 1 + k
     want_sizes = sorted({-(-s // step) * step for s in ORIGINAL_SIZES
-                         if -(-s // step) * step <= 40})
+                         if -(-s // step) * step <= MAX_BATCHED_TOKENS})
     # Full graphs hold uniform batches: up to max_num_seqs requests of
     # 1 + k tokens.
-    want_full = [s for s in want_sizes if step <= s <= 16 * step]
+    want_full = [s for s in want_sizes if step <= s <= MAX_NUM_SEQS * step]
     for mode in MODES_PER_K[k]:
         run = result(graph_runs[(k, mode)])
         info = run["inspect"]
@@ -55,7 +58,7 @@ def test_graph_modes_match_eager_with_mtp(graph_runs, reference, k):
             # One graph per piece per size: 1 + num_layers pieces.
             pieces = _sizes_of(captured, "PIECEWISE")
             assert sorted(pieces) == want_sizes, captured
-            assert set(pieces.values()) == {4}, captured
+            assert set(pieces.values()) == {1 + NUM_LAYERS}, captured
             assert _sizes_of(replayed, "PIECEWISE"), replayed
         if "FULL" in mode:
             # One graph per size, attention inside; decode steps replayed

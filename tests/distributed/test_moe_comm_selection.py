@@ -12,7 +12,7 @@ from vllm_ascend import checks
 from vllm_ascend.distributed import moe_comm
 
 
-def _config(dp=2, tp=1, ep=True, graphs=True, tokens=256, **model):
+def _config(dp=2, tp=1, ep=True, graphs=False, tokens=256, **model):
     hf = dict(model_type="glm4_moe", num_attention_heads=4,
               num_key_value_heads=2, n_routed_experts=8,
               moe_intermediate_size=64, intermediate_size=256,
@@ -77,16 +77,14 @@ def test_mc2_torch_exchange_stays_out_of_npu_graphs(step, monkeypatch):
     runs HCCL all_to_all_single, which no proven ACL graph captures
     (vllm-ascend runs all-to-all only eagerly): graph mode uses all-gather
     at every batch size, eager mode MC2, and MC2 forced in graph mode fails
-    at startup. With the kernels, or on the CPU reference device (the torch
-    exchange stands in for them: test_default_choice), MC2 runs in graphs."""
-    monkeypatch.setattr(moe_comm.mc2, "use_npu", lambda: True)
-    assert step(_config(), 8) == "allgather"
-    assert step(_config(graphs=False), 8) == "mc2"
-    assert step(_config(graphs=False), 300) == "allgather"
+    at startup. With the kernels MC2 runs in graphs."""
+    assert step(_config(graphs=True), 8) == "allgather"
+    assert step(_config(), 8) == "mc2"
+    assert step(_config(), 300) == "allgather"
     with pytest.raises(ValueError, match="MOE_COMM=mc2: the fused MC2 "
                        "kernels do not take this configuration"):
-        step(_config(), 8, {moe_comm.MOE_COMM_ENV: "mc2"})
-    assert step(_config(graphs=False), 8,
+        step(_config(graphs=True), 8, {moe_comm.MOE_COMM_ENV: "mc2"})
+    assert step(_config(), 8,
                 {moe_comm.MOE_COMM_ENV: "mc2"}) == "mc2"
     assert moe_comm.MC2MoEComm(256, object()).graph_safe
     assert not moe_comm.MC2MoEComm(256, None).graph_safe
@@ -96,7 +94,7 @@ def test_mc2_torch_exchange_stays_out_of_npu_graphs(step, monkeypatch):
     ("nccl", _config(), "is not a MoE communication method"),
     ("mc2", _config(ep=False), "needs --enable-expert-parallel"),
     ("alltoall", _config(dp=1, tp=1), "needs --enable-expert-parallel"),
-    ("alltoall", _config(), "cannot run in captured graphs"),
+    ("alltoall", _config(graphs=True), "cannot run in captured graphs"),
     ("mc2", _config(tokens=2048), "below --max-num-batched-tokens 2048"),
 ])
 def test_forced_method_that_cannot_run(monkeypatch, env, config, message):
@@ -106,7 +104,7 @@ def test_forced_method_that_cannot_run(monkeypatch, env, config, message):
 
 
 def test_forced_methods_that_can_run(monkeypatch):
-    for env, config in (("alltoall", _config(graphs=False)),
+    for env, config in (("alltoall", _config()),
                         ("mc2", _config()), ("allgather", _config(ep=False))):
         monkeypatch.setenv(moe_comm.MOE_COMM_ENV, env)
         moe_comm.check_config(config)

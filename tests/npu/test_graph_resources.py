@@ -140,17 +140,14 @@ def test_replay_writes_outputs_after_temporaries_are_freed(npu):
 def test_npu_context_is_per_thread(npu, monkeypatch):
     """A thread runs on NPU 0 until it selects one: the platform's
     set_device selects the worker's NPU on vLLM's Ray DAG thread."""
-    from vllm_ascend import device, platform
-    from vllm_ascend.platform import AscendPlatform
-    monkeypatch.setattr(platform, "_choice",
-                        device.DeviceChoice(*device.NPU, reason="test"))
+    from vllm_ascend.platform import NpuPlatform
     npu_api, _ = npu
     npu_api.set_device(3)
     seen = {}
 
     def dag_thread(select: bool):
         if select:
-            AscendPlatform.set_device(SimpleNamespace(type="npu", index=3))
+            NpuPlatform.set_device(SimpleNamespace(type="npu", index=3))
         seen[select] = npu_api.current_device()
 
     for select in (False, True):

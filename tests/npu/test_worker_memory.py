@@ -13,7 +13,7 @@ import torch
 
 from tests.utils.npu import REAL_NPU, torch_npu_in_process
 from vllm_ascend.worker import streams
-from vllm_ascend.worker.worker import AscendWorker, _non_torch_memory
+from vllm_ascend.worker.worker import NpuWorker, _non_torch_memory
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="drives the double's emulated memory")
@@ -38,7 +38,7 @@ def npu_memory(monkeypatch):
 
 
 def _worker_at_start(utilization: float) -> SimpleNamespace:
-    """What AscendWorker.init_device records, for _npu_kv_cache_bytes."""
+    """What NpuWorker.init_device records, for kv_cache_bytes."""
     free, total = torch.npu.mem_get_info()
     return SimpleNamespace(
         cache_config=SimpleNamespace(gpu_memory_utilization=utilization),
@@ -55,7 +55,7 @@ def test_kv_cache_leaves_room_for_memory_outside_torch(npu_memory):
     torch_bytes["now"] = GiB
     tnpu.npu_swiglu(torch.randn(2, 4))
     torch_bytes["now"] = 300 * MiB
-    available = AscendWorker._npu_kv_cache_bytes(worker)
+    available = NpuWorker.kv_cache_bytes(worker)
     # 0.5 of 4 GiB, less the torch peak, less the 96 MiB workspace.
     assert available == 2 * GiB - GiB - 96 * MiB
     # Everything then in use fits the requested share of the device.
@@ -67,7 +67,7 @@ def test_kv_cache_error_when_nothing_is_left(npu_memory):
     worker = _worker_at_start(0.1)
     torch_bytes["now"] = GiB
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
-        AscendWorker._npu_kv_cache_bytes(worker)
+        NpuWorker.kv_cache_bytes(worker)
 
 
 def test_cuda_stream_api_maps_to_npu_for_the_process(monkeypatch):

@@ -46,7 +46,7 @@ def test_npu_double_takes_npu_paths_on_cpu_tensors(monkeypatch):
     with mock.patch.object(device, "_npu_device_count", return_value=8):
         choice = device.choose("npu", torch_npu_installed=True)
     assert (choice.device_type, choice.dist_backend) == ("npu", "hccl")
-    assert choice.is_npu and choice.torch_device_type == "cpu"
+    assert choice.npu_kernels and choice.torch_device_type == "cpu"
 
 
 def test_npu_double_switch_refuses_the_real_torch_npu(monkeypatch):

@@ -100,8 +100,9 @@ def _cases(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], dict]]:
     return {
         "tp_kv_heads": (args(kv3, MTP_CONFIG) +
                         ["--tensor-parallel-size", "2"], cpu),
-        "alltoall_in_graphs": (args(model_dir, MTP_CONFIG) + ep,
-                               {**cpu, "VLLM_ASCEND_MOE_COMM": "alltoall"}),
+        # Graphs are the NPU's (the CPU reference device runs eager).
+        "alltoall_in_graphs": (npu_args(head_128, *ep),
+                               {**NPU_ENV, "VLLM_ASCEND_MOE_COMM": "alltoall"}),
         "ascend_float_checkpoint": (args(model_dir, MTP_CONFIG) + ascend,
                                     cpu),
         "ascend_no_scale": (args(no_scale, MTP_CONFIG) + ascend, cpu),

@@ -14,11 +14,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
-from tests.utils.engine import RUNNER
+from tests.utils.engine import ROOT, RUNNER
 
 
 def _free_port() -> int:
@@ -71,8 +70,8 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
             rank_env = dict(base_env, VLLM_DP_RANK=str(rank),
                             VLLM_DP_RANK_LOCAL=str(rank))
             procs.append(subprocess.Popen(
-                [sys.executable, str(RUNNER), spec.name], stdout=out,
-                stderr=err, env=rank_env, start_new_session=True))
+                [*RUNNER, spec.name], stdout=out, stderr=err, env=rank_env,
+                start_new_session=True, cwd=ROOT))
         deadline = time.monotonic() + timeout
         timed_out = False
         while any(p.poll() is None for p in procs):

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import torch
 
-RUNNER = Path(__file__).with_name("run_engine.py")
+ROOT = Path(__file__).resolve().parents[2]
+# The engine process: ``python -m tests.utils.run_engine SPEC`` from the
+# repository root (so that a job's ``setup`` module imports).
+RUNNER = [sys.executable, "-m", "tests.utils.run_engine"]
 
 
 def run_engine(engine: dict, prompts: list[list[int]], sampling,
@@ -26,9 +29,8 @@ def run_engine(engine: dict, prompts: list[list[int]], sampling,
     # drafts like the multiprocess one.
     full_env = {**os.environ, "VLLM_ASCEND_DEVICE": "cpu",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    proc = subprocess.run([sys.executable, str(RUNNER), spec.name],
-                          capture_output=True, text=True, env=full_env,
-                          timeout=timeout)
+    proc = subprocess.run([*RUNNER, spec.name], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, cwd=ROOT)
     os.unlink(spec.name)
     if proc.returncode != 0:
         raise AssertionError(f"engine failed:\n{proc.stderr[-6000:]}")

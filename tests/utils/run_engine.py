@@ -84,8 +84,6 @@ def main(spec_path: str) -> None:
         # "module:function", called before the engine starts (the engine
         # core runs in this process): a test's deliberate mutation.
         import importlib
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).parents[2]))
         module, function = spec["setup"].split(":")
         getattr(importlib.import_module(module), function)()
     llm = LLM(**spec["engine"], disable_log_stats=False)

@@ -10,10 +10,14 @@ and MTP with each ``--k``, fresh engine processes, median decode tokens/s of
 paired runs) with that mode, then one table: tokens/s, the MTP/no-MTP and
 graph/eager ratios side by side, acceptance, whether the greedy tokens equal
 eager's, host time per step outside the model forwards; and per engine the
-graphs captured, the capture time and the graph pool. On the CPU the graph
-emulator replays recorded ops from Python, so it may be slower than eager:
-what carries over to an NPU is the structure (which steps replay graphs,
-how many graphs, the host time left outside them), not the CPU ratio.
+graphs captured, the capture time and the graph pool.
+
+Graphs are the NPU's: ``--device npu`` (the default) on an Ascend NPU, or
+off one through the torch_npu double (``VLLM_ASCEND_NPU_DOUBLE=1``, with a
+checkpoint the NPU kernels take: bfloat16, head_dim 128 or 192), where the
+double's graphs replay recorded ops from Python: what carries over to an NPU
+is the structure (which steps replay graphs, how many graphs, the host time
+left outside them), not the ratio. The CPU reference device runs eager.
 """
 
 import argparse
@@ -127,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--new-tokens", "-n", type=int, default=32)
     p.add_argument("--repeats", "-r", type=int, default=3)
     p.add_argument("--model", type=Path, default=bench.DEFAULT_MODEL)
-    p.add_argument("--device", default="cpu", choices=["cpu", "npu", "auto"])
+    p.add_argument("--device", default="npu", choices=["cpu", "npu", "auto"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -135,6 +139,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"tools.bench.graph_modes: unknown mode(s) {unknown}; "
                          f"use {MODES}")
+    if args.device == "cpu" and modes != ["eager"]:
+        raise SystemExit("tools.bench.graph_modes: the CPU reference device "
+                         "runs eager; graph modes need --device npu (on an "
+                         "NPU, or through the torch_npu double with "
+                         "VLLM_ASCEND_NPU_DOUBLE=1)")
     cfg = bench.BenchConfig(model=args.model, ks=args.k,
                                     batch_sizes=args.batch_sizes,
                                     new_tokens=args.new_tokens,

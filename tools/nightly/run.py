@@ -85,6 +85,16 @@ SERVE_PRESET = {
 }
 
 
+def on_device(plan: Plan, device: str) -> Plan:
+    """The plan as the device runs it: the CPU reference device runs eager
+    (no device graphs), so its graph modes are one eager mode with every
+    k; graph modes need the NPU code paths (``--device npu``)."""
+    if device != "cpu" or list(plan.modes) == ["eager"]:
+        return plan
+    ks = sorted({k for ks in plan.modes.values() for k in ks})
+    return dataclasses.replace(plan, modes={"eager": ks})
+
+
 class CannotRun(Exception):
     """The nightly cannot measure what it is asked to (exit status 2)."""
 
@@ -287,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = PLANS["smoke" if args.smoke else "full"]
+    plan = on_device(PLANS["smoke" if args.smoke else "full"], args.device)
     if args.baseline is None:
         args.baseline = (ROOT / "benchmarks" / "nightly" /
                          ("baseline-smoke.json"

@@ -8,32 +8,24 @@ the target and for each draft step separately, so nothing frozen at one step
 leaks into another.
 """
 
-import enum
-from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
 from vllm.attention.backends.abstract import (AttentionBackend, AttentionImpl,
-                                              AttentionLayer,
-                                              AttentionMetadata, AttentionType)
+                                              AttentionLayer, AttentionType)
 from vllm.config import VllmConfig
 from vllm.v1.attention.backends.utils import (AttentionCGSupport,
                                               AttentionMetadataBuilder,
                                               CommonAttentionMetadata)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_ascend.attention import graph_tasks
+from vllm_ascend.attention.metadata import (AscendAttentionMetadata,
+                                            AscendAttentionState,
+                                            classify_batch)
 from vllm_ascend.attention.paged_attention import get_paged_attention_ops
-from vllm_ascend.compilation import attention_tasks
 
 PAD_SLOT_ID = -1
-
-
-class AscendAttentionState(enum.Enum):
-    """What a batch holds; the NPU picks its kernel variant from it."""
-    PREFILL_NO_CACHE = 0
-    DECODE_ONLY = 1
-    SPEC_DECODING = 2
-    CHUNKED_PREFILL = 3
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -68,43 +60,11 @@ class AscendAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
-@dataclass
-class AscendAttentionMetadata(AttentionMetadata):
-    num_actual_tokens: int
-    num_reqs: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    attn_state: AscendAttentionState
-    # Context length of each request as the kernels take it (host values):
-    # from seq_lens_cpu, which is exact except in draft steps 2..k of the
-    # padded drafter batch, where only the device seq_lens are.
-    seq_lens_list: list[int]
-    # Cumulative query lengths (query_start_loc[1:]) as the kernels take
-    # them, host values read at build time.
-    query_ends: list[int]
-
-
-def classify_batch(query_lens: torch.Tensor, seq_lens: torch.Tensor,
-                   max_query_len: int) -> AscendAttentionState:
-    if max_query_len == 1:
-        return AscendAttentionState.DECODE_ONLY
-    if bool((query_lens == seq_lens).all()):
-        return AscendAttentionState.PREFILL_NO_CACHE
-    return AscendAttentionState.CHUNKED_PREFILL
-
-
 class AscendAttentionMetadataBuilder(
         AttentionMetadataBuilder[AscendAttentionMetadata]):
     # Uniform batches (decode, and verify batches of 1 + k tokens per
     # request) are captured in full graphs, attention inside: its host
-    # arguments are updated before each replay (compilation/
-    # attention_tasks.py). Mixed batches run piecewise or eager.
+    # arguments are updated before each replay (graph_tasks.py). Mixed batches run piecewise or eager.
     cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_BATCH)
 
@@ -233,8 +193,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None:
             self.ops.write_kv_cache(key[:n], value[:n], key_cache,
                                     value_cache, attn_metadata.slot_mapping)
-        if attention_tasks.capturing_tasks():
-            attention_tasks.launch_task(layer.layer_name, self.ops, query[:n],
+        if graph_tasks.capturing_tasks():
+            graph_tasks.launch_task(layer.layer_name, self.ops, query[:n],
                                         key_cache, value_cache, attn_metadata,
                                         self.scale, output[:n])
         else:

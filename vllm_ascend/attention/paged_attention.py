@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 
 from vllm_ascend import device
-from vllm_ascend.compilation.graph_emulator import kernel
 
 if TYPE_CHECKING:
-    from vllm_ascend.attention.backend import AscendAttentionMetadata
+    from vllm_ascend.attention.metadata import AscendAttentionMetadata
 
 # Ascend's fused attention takes a fixed-size causal mask (sparse_mode=3).
 _NPU_MASK_SIZE = 2048
@@ -72,7 +71,6 @@ class _Attention:
                     metadata.seq_lens_list, scale, output)
 
 
-@kernel
 def _reference_write_kv_cache(key, value, key_cache, value_cache,
                               slot_mapping) -> None:
     # Padding tokens carry slot -1 (PAD_SLOT_ID): they write nothing.
@@ -84,7 +82,6 @@ def _reference_write_kv_cache(key, value, key_cache, value_cache,
     value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
 
 
-@kernel
 def _reference_attention(query, key_cache, value_cache, block_table,
                          query_ends, seq_lens, scale, output) -> None:
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -113,8 +110,7 @@ def _reference_attention(query, key_cache, value_cache, block_table,
 
 
 class ReferencePagedAttention(_Attention):
-    """Exact paged attention in torch (float32 softmax); each call is one
-    kernel to the CPU graph emulator, as the NPU kernels are."""
+    """Exact paged attention in torch (float32 softmax)."""
 
     def write_kv_cache(self, key, value, key_cache, value_cache,
                        slot_mapping) -> None:
@@ -224,6 +220,6 @@ class NpuPagedAttention(_Attention):
 
 
 def get_paged_attention_ops() -> PagedAttentionOps:
-    if device.current().is_npu:
+    if device.npu_kernels():
         return NpuPagedAttention()
     return ReferencePagedAttention()

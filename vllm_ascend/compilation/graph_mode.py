@@ -1,15 +1,16 @@
-"""The compilation and graph settings both devices take, NPU and CPU alike.
+"""The compilation and graph settings, NPU and CPU alike.
 
 vLLM decides the compilation level, the cudagraph mode and the capture sizes
-from ``--compilation-config`` and ``--enforce-eager`` (the platform supports
-static graph mode, so graphs are the default); here the capture sizes are
+from ``--compilation-config`` and ``--enforce-eager`` (the NPU platform
+supports static graph mode, so graphs are the default there; the CPU
+reference platform does not, and runs eager); here the capture sizes are
 rounded to multiples of ``1 + k``, bounded by the NPU's streams
 (``stream_budget``: every piece, full graph and draft graph of a size takes
 one) and inductor stays off (it would turn the
 plugin's custom ops off, ``CustomOp.default_on``, and needs triton). The
 pieces between attention calls are captured by the plugin's graph wrapper;
 full graphs hold the attention too, its host arguments updated before each
-replay (``attention_tasks``). vLLM's runner keeps full graphs to uniform
+replay (``attention.graph_tasks``). vLLM's runner keeps full graphs to uniform
 batches (the attention backend's ``UNIFORM_BATCH`` support) and runs the
 rest piecewise.
 """

@@ -1,5 +1,5 @@
-"""The plugin's static graph wrapper: vLLM's CUDAGraphWrapper on a device
-graph, ``torch.npu.NPUGraph`` on an NPU and the emulator on the CPU.
+"""The plugin's static graph wrapper: vLLM's CUDAGraphWrapper on
+``torch.npu.NPUGraph`` (the torch_npu double's graphs in CI).
 
 vLLM dispatches (forward context: runtime mode and batch descriptor) and
 this wrapper captures on the first call for a descriptor and replays after,
@@ -7,11 +7,11 @@ exactly as CUDAGraphWrapper does; only the graph API differs. It also counts
 captures and replays per descriptor, for the logs and the tests.
 """
 
+import contextlib
 import dataclasses
-import types
+import gc
 from collections import Counter
 from contextlib import ExitStack
-from unittest.mock import patch
 
 import torch
 from vllm.compilation.counter import compilation_counter
@@ -22,8 +22,7 @@ from vllm.forward_context import get_forward_context
 from torch.utils._pytree import tree_map
 from vllm.logger import init_logger
 
-from vllm_ascend import device
-from vllm_ascend.compilation import attention_tasks
+from vllm_ascend.attention import graph_tasks
 
 logger = init_logger(__name__)
 
@@ -49,23 +48,29 @@ class GraphStats:
 graph_stats = GraphStats()
 
 
-def device_graph_api() -> types.ModuleType:
-    """The one difference between the devices: whose graphs are captured.
-    ``NPUGraph``, ``graph``, ``graph_pool_handle`` and the task-group API
-    of ``torch.npu`` on an NPU (the torch_npu double's are the emulator);
-    the emulator's on the CPU reference device."""
-    if device.current().is_npu:
-        return torch.npu
-    from vllm_ascend.compilation import graph_emulator
-    return graph_emulator
+@dataclasses.dataclass
+class AscendGraphEntry(CUDAGraphEntry):
+    """vLLM's entry of one captured graph, with the graph's attention
+    launches, whose host arguments are updated before each replay."""
+    attention_tasks: list[graph_tasks.AttentionTask] = dataclasses.field(
+        default_factory=list)
 
 
-def current_stream():
-    """The stream a capture and its task updates run on (the emulator's
-    graphs have none)."""
-    if device.current().is_npu:
-        return torch.npu.current_stream()
-    return None
+@contextlib.contextmanager
+def capturing_into(graph, pool, quiet: bool):
+    """``torch.npu.graph(graph, pool=pool)`` on the current stream (vLLM's
+    capture stream). ``quiet``: without the collection and cache emptying
+    it starts with, for every piece of a forward after the first (vLLM's
+    ``gc_disable``)."""
+    if not quiet:
+        torch.npu.synchronize()
+        gc.collect()
+        torch.npu.empty_cache()
+    graph.capture_begin(pool=pool)
+    try:
+        yield
+    finally:
+        graph.capture_end()
 
 
 def _graph_bytes(graph) -> int:
@@ -76,8 +81,8 @@ def weak_output(graph, output):
     """The graph's output without keeping its pool memory allocated (vLLM's
     ``weak_ref_tensors``, which needs vLLM's compiled extension): later
     captures reuse the blocks, and every replay rewrites them. On an NPU a
-    tensor on the same device memory that does not own it; the emulator's
-    graphs make their own."""
+    tensor on the same device memory that does not own it; the torch_npu
+    double's graphs make their own."""
     weak = getattr(graph, "weak_output", None)
     if weak is not None:
         return weak(output)
@@ -102,13 +107,16 @@ class AscendGraphWrapper(CUDAGraphWrapper):
 
     def __call__(self, *args, **kwargs):
         forward_context = get_forward_context()
-        descriptor = forward_context.batch_descriptor
         mode = forward_context.cudagraph_runtime_mode
         if mode == CUDAGraphMode.NONE or mode != self.runtime_mode:
             return self.runnable(*args, **kwargs)
+        return self.run(forward_context.batch_descriptor, args, kwargs)
 
+    def run(self, descriptor, args, kwargs):
+        """Capture the graph of ``descriptor`` on its first run, replay it
+        after."""
         entry = self.concrete_cudagraph_entries.setdefault(
-            descriptor, CUDAGraphEntry(batch_descriptor=descriptor))
+            descriptor, AscendGraphEntry(batch_descriptor=descriptor))
         key = (self.role, self.runtime_mode.name, descriptor.num_tokens)
         if entry.cudagraph is None:
             return self._capture(entry, key, args, kwargs)
@@ -120,12 +128,12 @@ class AscendGraphWrapper(CUDAGraphWrapper):
                 f"{entry.input_addresses}, got {addresses}")
         graph_stats.replayed[key] += 1
         if self.runtime_mode == CUDAGraphMode.FULL:
-            attention_tasks.update_tasks(entry.attention_tasks,
-                                         forward_context.attn_metadata)
+            graph_tasks.update_tasks(entry.attention_tasks,
+                                     get_forward_context().attn_metadata)
         entry.cudagraph.replay()
         return entry.output
 
-    def _capture(self, entry: CUDAGraphEntry, key, args, kwargs):
+    def _capture(self, entry: AscendGraphEntry, key, args, kwargs):
         if self.cudagraph_options.debug_log_enable:
             logger.debug("Capturing a graph on (%s, %s)",
                          self.runtime_mode.name, entry.batch_descriptor)
@@ -133,20 +141,16 @@ class AscendGraphWrapper(CUDAGraphWrapper):
         entry.input_addresses = [
             x.data_ptr() for x in args if isinstance(x, torch.Tensor)
         ]
-        api = device_graph_api()
-        graph = api.NPUGraph()
-        tasks: list[attention_tasks.AttentionTask] = []
+        graph = torch.npu.NPUGraph()
+        tasks: list[graph_tasks.AttentionTask] = []
         with ExitStack() as stack:
             if self.runtime_mode == CUDAGraphMode.FULL:
-                stack.enter_context(attention_tasks.collecting(tasks))
-            if self.cudagraph_options.gc_disable:
-                # Many pieces per forward: collect and empty the cache once,
-                # for the first (torch.npu.graph empties it on entry).
-                stack.enter_context(patch("gc.collect", lambda: None))
-                if device.current().is_npu:
-                    stack.enter_context(
-                        patch("torch.npu.empty_cache", lambda: None))
-            stack.enter_context(api.graph(graph, pool=self.graph_pool))
+                stack.enter_context(graph_tasks.collecting(tasks))
+            # Many pieces per forward: collect and empty the cache once,
+            # for the first.
+            stack.enter_context(
+                capturing_into(graph, self.graph_pool,
+                               quiet=self.cudagraph_options.gc_disable))
             output = self.runnable(*args, **kwargs)
             if self.cudagraph_options.weak_ref_output:
                 # The last piece: no later graph reads its output, so its

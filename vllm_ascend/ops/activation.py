@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.activation import SiluAndMul
 
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 
 def _check_even(x: torch.Tensor) -> int:
@@ -29,7 +29,7 @@ def _silu_and_mul_npu(x: torch.Tensor) -> torch.Tensor:
     return torch_npu.npu_swiglu(x, dim=-1)
 
 
-silu_and_mul = _silu_and_mul_npu if use_npu() else silu_and_mul_ref
+silu_and_mul = _silu_and_mul_npu if npu_kernels() else silu_and_mul_ref
 
 
 @CustomOp.register_oot(name="SiluAndMul")

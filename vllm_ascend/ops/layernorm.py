@@ -17,7 +17,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 
 def _add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -83,8 +83,8 @@ def _add_rms_norm_npu(
     return _add_bias(y, bias), new_residual
 
 
-rms_norm = _rms_norm_npu if use_npu() else rms_norm_ref
-add_rms_norm = _add_rms_norm_npu if use_npu() else add_rms_norm_ref
+rms_norm = _rms_norm_npu if npu_kernels() else rms_norm_ref
+add_rms_norm = _add_rms_norm_npu if npu_kernels() else add_rms_norm_ref
 
 
 def norm_bias_described() -> bool:

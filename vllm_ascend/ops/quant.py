@@ -1,6 +1,6 @@
 """Int8 quantization, quantized matmul and quantized experts (W8A8).
 
-One interface per op, chosen once per process (``ops._backend``): the
+One interface per op, chosen once per process (``device.npu_kernels``): the
 torch_npu kernels on an NPU, exact integer references elsewhere. The
 references take int8 operands, accumulate exactly (every int8 product sum
 is an integer below 2**31 for K < 131072, held exactly in float64, then
@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 INT8_MIN, INT8_MAX = -128, 127
 
@@ -98,7 +98,7 @@ def _quant_matmul_npu(q: torch.Tensor,
                                       output_dtype=out_dtype)
 
 
-if use_npu():
+if npu_kernels():
     dynamic_quant = _dynamic_quant_npu
     static_quant = _static_quant_npu
     quant_matmul = _quant_matmul_npu

@@ -13,7 +13,7 @@ import torch
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -126,7 +126,7 @@ def _rotary_embedding_npu(
 
 
 rotary_embedding = (_rotary_embedding_npu
-                    if use_npu() else rotary_embedding_ref)
+                    if npu_kernels() else rotary_embedding_ref)
 
 
 @CustomOp.register_oot(name="RotaryEmbedding")

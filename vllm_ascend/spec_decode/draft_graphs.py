@@ -15,7 +15,6 @@ Its attention tasks live in its own entries, apart from the target's.
 import time
 
 import torch
-from vllm.compilation.cuda_graph import CUDAGraphEntry
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import (BatchDescriptor, get_forward_context,
@@ -23,8 +22,9 @@ from vllm.forward_context import (BatchDescriptor, get_forward_context,
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.utils import CommonAttentionMetadata
 
-from vllm_ascend.compilation import attention_tasks
-from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
+from vllm_ascend.attention.metadata import fits
+from vllm_ascend.compilation.graph_wrapper import (AscendGraphEntry,
+                                                   AscendGraphWrapper,
                                                    graph_stats)
 
 logger = init_logger(__name__)
@@ -50,18 +50,18 @@ class DraftGraphWrapper(AscendGraphWrapper):
     def __init__(self, runnable, vllm_config: VllmConfig) -> None:
         super().__init__(runnable, vllm_config, CUDAGraphMode.FULL)
 
-    def _entry(self, num_tokens: int) -> CUDAGraphEntry | None:
+    def _entry(self, num_tokens: int) -> AscendGraphEntry | None:
         return self.concrete_cudagraph_entries.get(
             BatchDescriptor(num_tokens=num_tokens))
 
-    def _fits(self, entry: CUDAGraphEntry, num_tokens: int) -> bool:
+    def _fits(self, entry: AscendGraphEntry, num_tokens: int) -> bool:
         metadata = get_forward_context().attn_metadata
         if not metadata:
             return False
         batch = next(iter(metadata.values()))
         return all(
-            attention_tasks.fits(batch.num_reqs, batch.num_actual_tokens,
-                                 task.num_reqs, num_tokens)
+            fits(batch.num_reqs, batch.num_actual_tokens, task.num_reqs,
+                 num_tokens)
             for task in entry.attention_tasks)
 
     def __call__(self, *args, **kwargs):
@@ -69,21 +69,11 @@ class DraftGraphWrapper(AscendGraphWrapper):
         entry = self._entry(num_tokens)
         if entry is None or not self._fits(entry, num_tokens):
             return self.runnable(*args, **kwargs)
-        return self._as_graph(num_tokens, args, kwargs)
-
-    def _as_graph(self, num_tokens: int, args, kwargs):
-        context = get_forward_context()
-        saved = context.cudagraph_runtime_mode, context.batch_descriptor
-        context.cudagraph_runtime_mode = CUDAGraphMode.FULL
-        context.batch_descriptor = BatchDescriptor(num_tokens=num_tokens)
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            context.cudagraph_runtime_mode, context.batch_descriptor = saved
+        return self.run(BatchDescriptor(num_tokens=num_tokens), args, kwargs)
 
     def capture(self, num_tokens: int, **kwargs) -> None:
         if self._entry(num_tokens) is None:
-            self._as_graph(num_tokens, (), kwargs)
+            self.run(BatchDescriptor(num_tokens=num_tokens), (), kwargs)
 
 
 def _dummy_metadata(proposer, num_tokens: int) -> CommonAttentionMetadata:

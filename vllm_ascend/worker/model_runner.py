@@ -1,15 +1,15 @@
-"""The plugin's model runner: vLLM's GPU model runner on an NPU or the CPU.
+"""The plugin's model runners: vLLM's GPU model runner on an NPU or the CPU.
 
 Everything device-neutral (input preparation, the persistent batch, KV-cache
-binding, sampling, speculative decoding bookkeeping) is vLLM's. This class
-only swaps what needs a device: streams and events, synchronization, the
-rejection sampler (vLLM's is triton-only) and the MTP proposer.
+binding, sampling, speculative decoding bookkeeping) is vLLM's.
+``AscendModelRunner`` swaps what both devices need (the rejection sampler,
+vLLM's is triton-only, the MTP proposer and the MoE method per step); one
+subclass per device holds its streams, synchronization and graphs.
 """
 
 import contextlib
 import time
 from typing import TYPE_CHECKING, Optional, Union
-from unittest.mock import patch
 
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -19,15 +19,13 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ascend import device
-from vllm_ascend.distributed import moe_comm
 from vllm_ascend.compilation import stream_budget
 from vllm_ascend.compilation.graph_mode import budget_of
-from vllm_ascend.compilation.graph_wrapper import (AscendGraphWrapper,
-                                                   graph_stats)
+from vllm_ascend.compilation.graph_wrapper import graph_stats
+from vllm_ascend.distributed import moe_comm
 from vllm_ascend.sample import AscendRejectionSampler
 from vllm_ascend.spec_decode.mtp_proposer import make_proposer
-from vllm_ascend.worker.streams import device_streams
+from vllm_ascend.worker.streams import cpu_streams, use_npu_streams
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -38,7 +36,7 @@ logger = init_logger(__name__)
 class AscendModelRunner(GPUModelRunner):
 
     def __init__(self, vllm_config: VllmConfig, torch_device: torch.device):
-        with device_streams():
+        with self.device_streams():
             super().__init__(vllm_config, torch_device)
         self.cascade_attn_enabled = False
         if hasattr(self, "rejection_sampler"):
@@ -77,37 +75,44 @@ class AscendModelRunner(GPUModelRunner):
         self._drafted = True
         return super().propose_draft_token_ids(*args, **kwargs)
 
+    def device_streams(self) -> contextlib.AbstractContextManager:
+        """What ``torch.cuda``'s stream and event API is while vLLM's
+        runner is built."""
+        raise NotImplementedError
+
+    def _init_device_properties(self) -> None:
+        pass
+
+
+class NpuModelRunner(AscendModelRunner):
+    """On the NPU: its streams, its synchronization and its graphs (vLLM
+    captures them with the platform's wrapper, patch 0012)."""
+
+    def device_streams(self) -> contextlib.AbstractContextManager:
+        use_npu_streams()
+        return contextlib.nullcontext()
+
     def get_dp_padding(self,
                        num_tokens: int) -> tuple[int, Optional[torch.Tensor]]:
         # DP ranks pad to the largest batch so that they replay the same
-        # graph size. Without graphs (the CPU reference device, eager) each
-        # rank runs its own count, as vLLM does under enforce_eager, and the
-        # forward context gathers the counts for the MoE dispatch. vLLM
-        # 0.11's _dummy_run would otherwise tell the MoE layer it has the
-        # padded count while feeding it the unpadded one.
-        if (self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-                or not device.current().is_npu):
+        # graph size. Eager, each rank runs its own count, as vLLM does
+        # under enforce_eager, and the forward context gathers the counts
+        # for the MoE dispatch. vLLM 0.11's _dummy_run would otherwise tell
+        # the MoE layer it has the padded count while feeding it the
+        # unpadded one.
+        if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
             return 0, None
         return super().get_dp_padding(num_tokens)
 
-    def load_model(self, *args, **kwargs) -> None:
-        # vLLM wraps the model for full graphs in CUDAGraphWrapper itself:
-        # the plugin's wrapper instead (the device's graphs, attention
-        # task updates).
-        with patch("vllm.v1.worker.gpu_model_runner.CUDAGraphWrapper",
-                   AscendGraphWrapper):
-            super().load_model(*args, **kwargs)
-
     def capture_model(self) -> int:
-        """vLLM's capture of every size, on the device's graphs; the bytes
-        the graph pools took (on the CPU: what the emulator recorded)."""
+        """vLLM's capture of every size, then the MTP draft's graphs; the
+        bytes the graph pools took."""
         start = time.perf_counter()
-        with _device_capture_env():
-            graph_bytes = super().capture_model()
-            capture_draft = getattr(getattr(self, "drafter", None),
-                                    "capture_graphs", None)
-            if capture_draft is not None:
-                graph_bytes += capture_draft()
+        graph_bytes = super().capture_model()
+        capture_draft = getattr(getattr(self, "drafter", None),
+                                "capture_graphs", None)
+        if capture_draft is not None:
+            graph_bytes += capture_draft()
         graph_stats.capture_seconds = time.perf_counter() - start
         graphs = sum(graph_stats.captured.values())
         spec = self.vllm_config.speculative_config
@@ -121,33 +126,20 @@ class AscendModelRunner(GPUModelRunner):
             budget.streams_taken(graphs), stream_budget.NPU_STREAMS)
         return graph_bytes
 
-    def _init_device_properties(self) -> None:
-        pass
+    def _sync_device(self) -> None:
+        torch.npu.synchronize()
+
+
+class CpuReferenceModelRunner(AscendModelRunner):
+    """On the CPU reference device: eager, as vLLM's CPU runner."""
+
+    def device_streams(self) -> contextlib.AbstractContextManager:
+        return cpu_streams()
+
+    def get_dp_padding(self,
+                       num_tokens: int) -> tuple[int, Optional[torch.Tensor]]:
+        # Eager: each DP rank runs its own count (see NpuModelRunner).
+        return 0, None
 
     def _sync_device(self) -> None:
-        if device.current().is_npu:
-            torch.npu.synchronize()
-
-
-@contextlib.contextmanager
-def _device_capture_env():
-    """What vLLM's capture_model takes from CUDA, from the device instead:
-    the capture stream (vLLM's graph_capture asserts a CUDA communicator)
-    and the free memory that measures the graph pool."""
-    if device.current().is_npu:
-
-        def capture(device=None):
-            # A side stream that starts after the work already queued.
-            stream = torch.npu.Stream()
-            stream.wait_stream(torch.npu.current_stream())
-            return torch.npu.stream(stream)
-
-        mem_get_info = torch.npu.mem_get_info
-    else:
-        capture = lambda device: contextlib.nullcontext()  # noqa: E731
-        total = 1 << 40
-        mem_get_info = lambda *a: (  # noqa: E731
-            total - graph_stats.pool_bytes, total)
-    with patch("vllm.v1.worker.gpu_model_runner.graph_capture", capture), \
-            patch("torch.cuda.mem_get_info", mem_get_info):
-        yield
+        pass

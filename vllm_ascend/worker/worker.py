@@ -14,7 +14,9 @@ from vllm.v1.worker.gpu_worker import (Worker,
 
 from vllm_ascend import device
 from vllm_ascend.distributed import moe_comm
-from vllm_ascend.worker.model_runner import AscendModelRunner
+from vllm_ascend.worker.model_runner import (AscendModelRunner,
+                                              CpuReferenceModelRunner,
+                                              NpuModelRunner)
 
 logger = init_logger(__name__)
 
@@ -28,44 +30,72 @@ def _non_torch_memory(free: int, total: int) -> int:
 
 
 class AscendWorker(Worker):
+    """vLLM's GPU worker with the device parts in one subclass per device
+    (``NpuWorker``, ``CpuReferenceWorker``)."""
+
+    model_runner_cls: type[AscendModelRunner] = AscendModelRunner
 
     def init_device(self) -> None:
-        choice = device.current()
         self.device = device.tensor_device(self.local_rank)
-        if choice.is_npu:
-            torch.npu.set_device(self.local_rank)
+        self.select_device()
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method,
                                             self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         moe_comm.configure(self.vllm_config)
-        if choice.is_npu:
-            gc.collect()
-            torch.npu.empty_cache()
-            self.init_free_memory, self.total_memory = torch.npu.mem_get_info()
-            self.init_non_torch_memory = _non_torch_memory(
-                self.init_free_memory, self.total_memory)
-        self.model_runner: AscendModelRunner = AscendModelRunner(
+        self.record_memory_at_start()
+        self.model_runner: AscendModelRunner = self.model_runner_cls(
             self.vllm_config, self.device)
 
     @torch.inference_mode()
     def determine_available_memory(self) -> int:
         # The profile run exercises the largest batch (and the drafter) on
         # both devices, so a shape problem shows up here, before serving.
-        on_npu = device.current().is_npu
-        if on_npu:
-            gc.collect()
-            torch.npu.empty_cache()
-            torch.npu.reset_peak_memory_stats()
+        self.release_cached_memory()
         self.model_runner.profile_run()
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
-        if not on_npu:
-            return self._cpu_kv_cache_bytes()
-        return self._npu_kv_cache_bytes()
+        return self.kv_cache_bytes()
 
-    def _npu_kv_cache_bytes(self) -> int:
+    def select_device(self) -> None:
+        pass
+
+    def record_memory_at_start(self) -> None:
+        pass
+
+    def release_cached_memory(self) -> None:
+        pass
+
+    def kv_cache_bytes(self) -> int:
+        raise NotImplementedError
+
+    def sleep(self, level: int = 1) -> None:
+        logger.warning("Sleep mode is not supported by vllm_ascend; ignored.")
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        logger.warning("Sleep mode is not supported by vllm_ascend; ignored.")
+
+
+class NpuWorker(AscendWorker):
+    model_runner_cls = NpuModelRunner
+
+    def select_device(self) -> None:
+        torch.npu.set_device(self.local_rank)
+
+    def record_memory_at_start(self) -> None:
+        gc.collect()
+        torch.npu.empty_cache()
+        self.init_free_memory, self.total_memory = torch.npu.mem_get_info()
+        self.init_non_torch_memory = _non_torch_memory(
+            self.init_free_memory, self.total_memory)
+
+    def release_cached_memory(self) -> None:
+        gc.collect()
+        torch.npu.empty_cache()
+        torch.npu.reset_peak_memory_stats()
+
+    def kv_cache_bytes(self) -> int:
         """What is left of ``gpu_memory_utilization`` of the NPU after what
         was in use at start-up, the profile run's torch peak, and memory
         that appeared outside torch's allocator since (HCCL buffers, the
@@ -93,7 +123,11 @@ class AscendWorker(Worker):
                 "--kv-cache-memory.")
         return available
 
-    def _cpu_kv_cache_bytes(self) -> int:
+
+class CpuReferenceWorker(AscendWorker):
+    model_runner_cls = CpuReferenceModelRunner
+
+    def kv_cache_bytes(self) -> int:
         space = envs.VLLM_CPU_KVCACHE_SPACE
         if space is not None:
             return int(space * GiB_bytes)
@@ -111,10 +145,3 @@ class AscendWorker(Worker):
             "sequences, at most %d GiB).", space_bytes / GiB_bytes,
             DEFAULT_CPU_KV_CACHE_GIB)
         return int(space_bytes)
-
-    def sleep(self, level: int = 1) -> None:
-        logger.warning("Sleep mode is not supported by vllm_ascend; ignored.")
-
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        logger.warning("Sleep mode is not supported by vllm_ascend; ignored.")
-

@@ -1,6 +1,6 @@
 """ACL graphs as an NPU has them: the emulator plus the device's resources.
 
-The plugin's graph emulator (``vllm_ascend.compilation.graph_emulator``)
+The graph emulator (``_emulator``)
 gives the semantics of ``torch.npu.NPUGraph``; this subclass adds what the
 device charges for a graph and how it fails:
 
@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from vllm_ascend.compilation import graph_emulator
+from . import _emulator as graph_emulator
 
 from . import npu
 

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vllm_ascend.compilation.graph_emulator import (GraphCaptureError,
+from ._emulator import (GraphCaptureError,
                                                     capturing, kernel)
 
 from . import _graphs

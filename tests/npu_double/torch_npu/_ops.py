@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils._device as torch_device_utils
 from torch.utils._pytree import tree_flatten
 
-from vllm_ascend.compilation import graph_emulator as _emulator
+from . import _emulator
 
 from . import npu as _npu
 from ._trace import record, traced

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_ascend.compilation.graph_emulator import kernel
+from ._emulator import kernel
 
 TRACE_ENV = "VLLM_ASCEND_NPU_DOUBLE_TRACE"
 _PLUGIN_DIR = str(Path(__file__).resolve().parents[3] / "vllm_ascend")

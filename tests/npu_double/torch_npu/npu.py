@@ -92,9 +92,13 @@ def is_available() -> bool:
     return device_count() > 0
 
 
-def _index(device: Union[None, int, str, torch.device], api: str) -> int:
+def _index(device: Union[None, int, str, torch.device], api: str,
+           tensor_device: bool = False) -> int:
     """torch_npu/npu/utils.py ``_get_device_index``: an int, "npu:N" or an
-    npu torch.device; anything else is a ValueError."""
+    npu torch.device; anything else is a ValueError. ``tensor_device``: an
+    API vLLM hands the runner's device, which under the double is the CPU
+    its tensors live on (npu:N on an NPU): that stands for the current
+    NPU."""
     if device is None:
         return state.current_device
     if isinstance(device, str):  # "npu" or "npu:N"
@@ -103,6 +107,9 @@ def _index(device: Union[None, int, str, torch.device], api: str) -> int:
             raise ValueError(f"{api}: expected a npu device, but got: "
                              f"{device}")
         index = int(number) if number else state.current_device
+    elif (tensor_device and isinstance(device, torch.device)
+          and device.type == "cpu"):
+        index = state.current_device
     elif isinstance(device, torch.device):
         if device.type != "npu":
             raise ValueError(f"{api}: expected a npu device, but got: "
@@ -215,7 +222,7 @@ class Stream:
         if kwargs:
             raise TypeError(f"Stream() got unexpected arguments "
                             f"{sorted(kwargs)}")
-        self.device_index = _index(device, "Stream")
+        self.device_index = _index(device, "Stream", tensor_device=True)
         self.priority = priority
 
     def synchronize(self) -> None:
@@ -318,7 +325,7 @@ def manual_seed(seed: int) -> None:
 # Device graphs: the plugin's CPU graph emulator, which follows torch_npu's
 # NPUGraph, graph, task-group/task-update and ExternalEvent contracts, with
 # the device's streams and pool memory (``_graphs``).
-from vllm_ascend.compilation.graph_emulator import (  # noqa: E402,F401
+from ._emulator import (  # noqa: E402,F401
     ExternalEvent, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end)
 

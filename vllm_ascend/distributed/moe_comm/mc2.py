@@ -14,8 +14,7 @@ Graphs: the fused kernels are captured in vllm-ascend's ACL graphs (its
 MC2 decode path), HCCL's all-to-all never is (v0.11.0 runs ALLTOALL only
 above the MC2 capacity, the largest capture size: eagerly). So on an NPU
 without the kernels the method is not graph-safe and graph mode uses
-all-gather instead (``moe_comm``). On the CPU reference device the torch
-exchange stands in for the kernels, and the graph emulator captures it.
+all-gather instead (``moe_comm``). The CPU reference device runs eager.
 """
 
 from typing import Optional
@@ -30,7 +29,6 @@ from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
                                                        pair_rows, tp_share,
                                                        weighted_sum)
 from vllm_ascend.distributed.moe_comm.mc2_kernels import FusedMC2Kernels
-from vllm_ascend.ops._backend import use_npu
 
 
 class MC2MoEComm(MoECommMethod):
@@ -43,7 +41,8 @@ class MC2MoEComm(MoECommMethod):
                  kernels: Optional[FusedMC2Kernels] = None):
         self.capacity = capacity
         self.kernels = kernels
-        self.graph_safe = kernels is not None or not use_npu()
+        # The torch exchange (HCCL all_to_all_single) stays out of graphs.
+        self.graph_safe = kernels is not None
 
     def experts(self, layer: torch.nn.Module, x: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -28,7 +28,6 @@ from vllm.logger import init_logger
 
 from vllm_ascend import device
 from vllm_ascend.distributed.moe_comm.base import GroupedFn
-from vllm_ascend.ops._backend import use_npu
 
 logger = init_logger(__name__)
 
@@ -137,7 +136,7 @@ class FusedMC2Kernels:
         if not self._comm_name:
             group = get_ep_group().device_group
             backend = group._get_backend(
-                torch.device(device.current().torch_device_type))
+                torch.device(device.tensor_device_type()))
             self._comm_name = backend.get_hccl_comm_name(dist.get_rank())
         return self._comm_name
 
@@ -196,7 +195,7 @@ class FusedMC2Kernels:
 def create(vllm_config, capacity: int) -> Optional[FusedMC2Kernels]:
     """The fused kernels when this NPU and configuration take them (logged
     once per process either way); None on the CPU reference device."""
-    if not use_npu():
+    if not device.npu_kernels():
         return None
     import torch_npu
     family = soc_family(torch.npu.get_soc_version())

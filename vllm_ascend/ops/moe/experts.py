@@ -11,8 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vllm_ascend.compilation.graph_emulator import kernel
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -45,7 +44,6 @@ def _local_ids(topk_ids: torch.Tensor,
     return ids if expert_map is None else expert_map[ids].long()
 
 
-@kernel
 def moe_experts_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -57,9 +55,7 @@ def moe_experts_ref(
     apply_router_weight_on_input: bool = False,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """One matmul pair per expert that has tokens, accumulated in float32.
-    One kernel to the graph emulator, as a grouped matmul is on the NPU:
-    which experts have tokens is its own business."""
+    """One matmul pair per expert that has tokens, accumulated in float32."""
     _check(x, w13, w2, topk_weights, topk_ids, activation)
     local = _local_ids(topk_ids, expert_map)
     inter = w2.shape[2]
@@ -180,4 +176,4 @@ def _npu_unpermute(y: torch.Tensor, src_slot: torch.Tensor,
     return out.to(x.dtype)
 
 
-moe_experts = _moe_experts_npu if use_npu() else moe_experts_ref
+moe_experts = _moe_experts_npu if npu_kernels() else moe_experts_ref

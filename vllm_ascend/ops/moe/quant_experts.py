@@ -18,9 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vllm_ascend.compilation.graph_emulator import kernel
 from vllm_ascend.ops import quant
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
                                          _npu_unpermute, grouped_matmul_npu)
 
@@ -43,7 +42,6 @@ def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
             f"{tuple(w13_scale.shape)}, {tuple(w2_scale.shape)}.")
 
 
-@kernel
 def moe_experts_w8a8_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -128,4 +126,4 @@ def grouped_mlp_w8a8_npu(rows: torch.Tensor, group_ends: torch.Tensor,
 
 
 moe_experts_w8a8 = (_moe_experts_w8a8_npu
-                    if use_npu() else moe_experts_w8a8_ref)
+                    if npu_kernels() else moe_experts_w8a8_ref)

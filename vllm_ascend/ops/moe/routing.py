@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from vllm_ascend.ops._backend import use_npu
+from vllm_ascend.device import npu_kernels
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 
@@ -163,4 +163,4 @@ def _select_experts_npu(
     return topk_weights.float(), topk_ids.to(torch.int32)
 
 
-select_experts = _select_experts_npu if use_npu() else select_experts_ref
+select_experts = _select_experts_npu if npu_kernels() else select_experts_ref

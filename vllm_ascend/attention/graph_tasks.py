@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
+from vllm_ascend.attention.metadata import (AscendAttentionMetadata,
+                                            host_arguments)
+
 if TYPE_CHECKING:
-    from vllm_ascend.attention.backend import AscendAttentionMetadata
     from vllm_ascend.attention.paged_attention import PagedAttentionOps
 
 
@@ -76,15 +78,12 @@ def capturing_tasks() -> bool:
 def launch_task(layer_name: str, ops: "PagedAttentionOps",
                 query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor,
-                metadata: "AscendAttentionMetadata", scale: float,
+                metadata: AscendAttentionMetadata, scale: float,
                 output: torch.Tensor) -> None:
     """Launch one layer's attention as an updatable task of the graph
     being captured."""
-    from vllm_ascend.compilation.graph_wrapper import (current_stream,
-                                                       device_graph_api)
     assert _collecting is not None
-    api = device_graph_api()
-    stream = current_stream()
+    stream = torch.npu.current_stream()
     query_ends, seq_lens = host_arguments(metadata, metadata.num_reqs,
                                           query.shape[0])
     shapes = (type(ops), query.shape, query.dtype, key_cache.shape,
@@ -95,13 +94,13 @@ def launch_task(layer_name: str, ops: "PagedAttentionOps",
                                                 metadata.block_tables,
                                                 query_ends, seq_lens, scale)
     workspace = _workspaces[shapes]
-    event = api.ExternalEvent()
+    event = torch.npu.ExternalEvent()
     event.wait(stream)
     event.reset(stream)
-    api.graph_task_group_begin(stream)
+    torch.npu.graph_task_group_begin(stream)
     ops.launch(query, key_cache, value_cache, metadata.block_tables,
                query_ends, seq_lens, scale, output, workspace)
-    handle = api.graph_task_group_end(stream)
+    handle = torch.npu.graph_task_group_end(stream)
     _collecting.append(
         AttentionTask(layer_name, ops, handle, event,
                       (query, key_cache, value_cache, metadata.block_tables),
@@ -109,54 +108,16 @@ def launch_task(layer_name: str, ops: "PagedAttentionOps",
                       metadata.slot_mapping, workspace))
 
 
-def fits(num_reqs: int, num_tokens: int, captured_reqs: int,
-         captured_tokens: int) -> bool:
-    """Whether a batch can replay a graph captured for ``captured_reqs``
-    requests and ``captured_tokens`` tokens: its padding tokens need a
-    padding request to belong to."""
-    if num_reqs > captured_reqs or num_tokens > captured_tokens:
-        return False
-    return num_tokens == captured_tokens or num_reqs < captured_reqs
-
-
-def host_arguments(metadata: "AscendAttentionMetadata", num_reqs: int,
-                   num_tokens: int) -> tuple[list[int], list[int]]:
-    """The kernel's cumulative query lengths and context lengths for this
-    batch, padded to a captured batch of ``num_reqs`` requests and
-    ``num_tokens`` tokens. The padding tokens go to padding requests that
-    attend only to themselves; their outputs are never read."""
-    query_ends = list(metadata.query_ends)
-    seq_lens = list(metadata.seq_lens_list)
-    missing_reqs = num_reqs - len(query_ends)
-    end = query_ends[-1] if query_ends else 0
-    missing_tokens = num_tokens - end
-    if not fits(len(query_ends), end, num_reqs, num_tokens):
-        raise RuntimeError(
-            f"a batch of {len(query_ends)} request(s) and {end} token(s) "
-            f"does not fit a graph captured for {num_reqs} request(s) and "
-            f"{num_tokens} token(s)")
-    for i in range(missing_reqs):
-        share = missing_tokens // missing_reqs + (
-            i < missing_tokens % missing_reqs)
-        end += share
-        query_ends.append(end)
-        seq_lens.append(share)
-    return query_ends, seq_lens
-
-
 def update_tasks(
         tasks: list[AttentionTask],
-        attn_metadata: Optional[dict[str, "AscendAttentionMetadata"]]
+        attn_metadata: Optional[dict[str, AscendAttentionMetadata]]
 ) -> None:
     """Give every captured attention launch this batch's lengths.
 
     A dummy batch (an idle DP rank) has no metadata: the launches keep
     their last lengths, valid for the graph, and no KV is written (its
     slots are set to padding); the outputs are not read."""
-    from vllm_ascend.compilation.graph_wrapper import (current_stream,
-                                                       device_graph_api)
-    api = device_graph_api()
-    stream = current_stream()
+    stream = torch.npu.current_stream()
     if not attn_metadata:
         for task in tasks:
             task.slot_mapping.fill_(-1)
@@ -166,9 +127,9 @@ def update_tasks(
         query, key_cache, value_cache, block_table = task.tensors
         query_ends, seq_lens = host_arguments(attn_metadata[task.layer_name],
                                               task.num_reqs, query.shape[0])
-        api.graph_task_update_begin(stream, task.handle)
+        torch.npu.graph_task_update_begin(stream, task.handle)
         task.ops.launch(query, key_cache, value_cache, block_table,
                         query_ends, seq_lens, task.scale, task.output,
                         task.workspace)
-        api.graph_task_update_end(stream)
+        torch.npu.graph_task_update_end(stream)
         task.event.record(stream)
