@@ -108,7 +108,7 @@ def _checkpoint_param_bytes(path: Path, num_layers: int) -> tuple[int, int]:
     """Bytes of the main model's and of the MTP layer's float32 tensors."""
     main = mtp = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118
             size = f.get_tensor(name).numel() * 4
             if name.startswith(f"model.layers.{num_layers}."):
                 mtp += size

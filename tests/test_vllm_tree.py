@@ -1,4 +1,5 @@
-"""The patch series tool: stable export, and a check that catches bad patches."""
+"""The patch series tool: stable export, and a check that catches bad
+patches."""
 
 import re
 import subprocess
@@ -53,7 +54,8 @@ def test_check_fails_on_a_patch_that_does_not_apply(tmp_path):
         if name != first:
             return text
         # Change a removed line so the hunk no longer matches v0.11.0.
-        return text.replace("\n-MTP_MODEL_TYPES = (", "\n-MTP_MODEL_TYPES = [", 1)
+        return text.replace("\n-MTP_MODEL_TYPES = (",
+                            "\n-MTP_MODEL_TYPES = [", 1)
 
     proc = _check(_copy_series(tmp_path, corrupt))
     assert proc.returncode != 0

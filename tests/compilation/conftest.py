@@ -1,8 +1,8 @@
 import pytest
 
 from tests.compilation import graph_mutations
-from tests.compilation.graph_jobs import (MODES_PER_K, graph_mode, job,
-                                          result, write_checkpoint)
+from tests.compilation.graph_jobs import (MODES_PER_K, graph_mode, job, result,
+                                          write_checkpoint)
 from tests.utils.engine import run_engines
 
 

@@ -136,7 +136,8 @@ def test_host_values_of_tensors_outside_the_graph_are_readable(ge):
     assert out.shape == (8, )
 
 
-@torch.library.custom_op("vllm_ascend_test::prefix_sums", mutates_args=("out", ))
+@torch.library.custom_op("vllm_ascend_test::prefix_sums",
+                         mutates_args=("out", ))
 def _prefix_sums(x: torch.Tensor, lengths: list[int],
                  out: torch.Tensor) -> None:
     """A kernel with host arguments, like the fused attention."""
@@ -229,6 +230,7 @@ def test_replayed_collective_completes_before_the_ops_after_it(ge):
     import multiprocessing
 
     from vllm.utils import get_open_port
+
     # Spawned: a child forked from a process whose torch thread pools are
     # running may hang in its first parallel op.
     ctx = multiprocessing.get_context("spawn")

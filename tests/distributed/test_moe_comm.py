@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from vllm_ascend.distributed.moe_comm import MOE_COMM_ENV, METHODS
+from vllm_ascend.distributed.moe_comm import METHODS, MOE_COMM_ENV
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 8, 2
 
@@ -52,16 +52,13 @@ def _worker(rank: int, port: int, dp: int, tp: int, counts: list[int],
     ``sequence_parallel`` each TP rank holds its chunk of its DP rank's
     tokens (as a sequence-parallel MoE layer does) and no TP all-reduce
     follows."""
-    from vllm.config import (ParallelConfig, VllmConfig,
-                             set_current_vllm_config)
-    from vllm.distributed import (get_ep_group,
-                                  tensor_model_parallel_all_reduce)
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import get_ep_group, tensor_model_parallel_all_reduce
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment, destroy_model_parallel,
         init_distributed_environment, initialize_model_parallel)
     from vllm.forward_context import set_forward_context
-    from vllm.model_executor.layers.fused_moe.layer import (
-        determine_expert_map)
+    from vllm.model_executor.layers.fused_moe.layer import determine_expert_map
 
     from vllm_ascend.distributed import moe_comm
     from vllm_ascend.distributed.communicator import AscendCommunicator
@@ -148,6 +145,7 @@ def _run(dp: int, tp: int, counts: list[int], methods: list[str],
          rows: list[int] | None = None,
          sequence_parallel: bool = False) -> dict:
     from vllm.utils import get_open_port
+
     # Spawned: a fork of a test process whose torch threads have run may
     # hang in them.
     ctx = multiprocessing.get_context("spawn")

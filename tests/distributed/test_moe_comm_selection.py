@@ -187,6 +187,7 @@ def test_fused_mc2_kernel_limits(family, changes, reason):
 
 def test_fused_mc2_tokens_per_rank():
     from vllm_ascend.distributed.moe_comm import mc2_kernels
+
     # Each TP rank sends its share: capacity / TP rows per EP rank.
     assert mc2_kernels.max_tokens_per_rank(256, 8) == 32
     assert mc2_kernels.max_tokens_per_rank(5, 2) == 3

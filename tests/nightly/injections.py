@@ -29,7 +29,8 @@ def one_token() -> None:
         completion = outputs[0].outputs[0]
         ids = list(completion.token_ids)
         if len(ids) > 1:
-            ids[-1] = (ids[-1] + 1) % self.llm_engine.model_config.get_vocab_size()
+            vocab_size = self.llm_engine.model_config.get_vocab_size()
+            ids[-1] = (ids[-1] + 1) % vocab_size
             completion.token_ids = ids
         return outputs
 
@@ -57,6 +58,7 @@ def damaged_mtp_layer() -> None:
     spread, as a corrupted checkpoint shard would: the draft guesses worse,
     the greedy outputs stay the target's."""
     import torch
+
     from vllm_ascend.spec_decode.mtp_proposer import AscendMtpProposer
     load_model = AscendMtpProposer.load_model
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from tests.utils.npu import REAL_NPU, on_both_ranks as _both
+from tests.utils.npu import REAL_NPU
+from tests.utils.npu import on_both_ranks as _both
 
 pytestmark = pytest.mark.skipif(
     REAL_NPU, reason="checks the double; a real NPU has the real contracts")

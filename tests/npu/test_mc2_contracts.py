@@ -370,6 +370,7 @@ def test_plugin_arguments(groups, monkeypatch, family, hierarchical):
     float32) only to the hierarchical scheme, the dispatch's expand_scales
     to combine either way (combine_v2.md:83)."""
     import torch_npu
+
     from vllm_ascend.distributed.moe_comm import mc2_kernels
     calls = {}
     scales_out = None if family == "A3" else torch.rand(6)

@@ -178,8 +178,9 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
     and without expert parallelism, each MoE communication method over
     hccl. With expert parallelism MC2 is the default: the fused
     dispatch/combine kernels (as an Atlas A3: op-plugin 7.2.0's A2 kernels
-    take EP 16 and up), each TP rank sending its share of the tokens (a TP rank without one sends a token whose result
-    it drops: the kernels take no empty batch). All-to-all reads its
+    take EP 16 and up), each TP rank sending its share of the tokens (a TP
+    rank without one sends a token whose result it drops: the kernels take
+    no empty batch). All-to-all reads its
     counts on the host, so it runs eager. The ranks sum expert outputs in
     another order than one rank does, so the comparison with the one-rank
     reference stops at the first near-tie."""

@@ -8,6 +8,7 @@ import torch
 
 import vllm_ascend
 
+
 @pytest.fixture(scope="session", autouse=True)
 def plugin_ops() -> None:
     """What vLLM's general-plugin loader does in every process."""

@@ -108,10 +108,9 @@ def test_exact_cache_is_computed_on_the_host(vllm_config):
     kernels, and the torch_npu double refuses float64 on its device); the
     float32 table lands on the device."""
     from tests.utils.npu import REAL_NPU, torch_npu_in_process
-    with torch_npu_in_process():
-        with torch.device("npu" if REAL_NPU else "cpu"):
-            rope = rope_ops.AscendRotaryEmbedding(HEAD, HEAD // 2, 4096, BASE,
-                                                  True, torch.float32)
+    with torch_npu_in_process(), torch.device("npu" if REAL_NPU else "cpu"):
+        rope = rope_ops.AscendRotaryEmbedding(HEAD, HEAD // 2, 4096, BASE,
+                                              True, torch.float32)
     cache = rope.cos_sin_cache_f32
     assert cache.dtype == torch.float32
     assert cache.device == rope.cos_sin_cache.device

@@ -30,9 +30,9 @@ def test_unknown_device_name_is_an_error():
 
 
 def test_broken_torch_npu_is_an_error_not_a_fallback():
-    with mock.patch.dict("sys.modules", {"torch_npu": None}):
-        with pytest.raises(RuntimeError, match="failed to import"):
-            device.choose("auto", torch_npu_installed=True)
+    no_torch_npu = mock.patch.dict("sys.modules", {"torch_npu": None})
+    with no_torch_npu, pytest.raises(RuntimeError, match="failed to import"):
+        device.choose("auto", torch_npu_installed=True)
 
 
 def test_npu_with_devices_uses_hccl():
@@ -52,9 +52,9 @@ def test_npu_double_takes_npu_paths_on_cpu_tensors(monkeypatch):
 def test_npu_double_switch_refuses_the_real_torch_npu(monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_NPU_DOUBLE", "1")
     real = mock.MagicMock(CONTRACT_DOUBLE=False, __file__="/site/torch_npu")
-    with mock.patch.dict("sys.modules", {"torch_npu": real}):
-        with pytest.raises(RuntimeError, match="is not the contract double"):
-            device.choose("npu", torch_npu_installed=True)
+    refused = pytest.raises(RuntimeError, match="is not the contract double")
+    with mock.patch.dict("sys.modules", {"torch_npu": real}), refused:
+        device.choose("npu", torch_npu_installed=True)
 
 
 def test_real_npu_tensors_live_on_the_npu():

@@ -24,7 +24,7 @@ HIDDEN = CONFIG["hidden_size"]
 
 def _tensors(path) -> dict[str, torch.Tensor]:
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
 def _vllm_config(path, with_mtp: bool):

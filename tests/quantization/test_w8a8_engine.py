@@ -3,10 +3,10 @@
 Both W8A8 checkpoints (MTP layer quantized, MTP layer float) load with
 every served parameter traced back to its checkpoint tensors; greedy with
 MTP (k = 1..3, chunked prefill, preemption; graph mode on the NPU code
-paths) equals greedy without it; the quantized model's next-token predictions and MTP
-acceptance are reported next to the float model's. Anti-outlier (m4)
-checkpoints serve their norm biases: shifted without quantization, the
-float model's function.
+paths) equals greedy without it; the quantized model's next-token
+predictions and MTP acceptance are reported next to the float model's.
+Anti-outlier (m4) checkpoints serve their norm biases: shifted without
+quantization, the float model's function.
 """
 
 import json
@@ -155,7 +155,7 @@ def _expected_sums(model_dir) -> dict[str, list]:
     shared: dict[str, set] = defaultdict(set)
     with safe_open(str(model_dir / "model.safetensors"),
                    framework="pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118
             t = f.get_tensor(name).double()
             if name.endswith("weight_offset"):
                 assert not t.any(), name
@@ -271,7 +271,8 @@ def test_anti_outlier_norm_biases_are_served(runs, anti_outlier_dirs):
         served = runs[f"{kind}_ao"]["inspect"]["param_sums"]
         with safe_open(str(anti_outlier_dirs[kind] / "model.safetensors"),
                        framework="pt") as f:
-            biases = [n for n in f.keys() if n.endswith("norm.bias")]
+            biases = [n for n in f.keys()  # noqa: SIM118
+                      if n.endswith("norm.bias")]
             assert len(biases) == NUM_LAYERS, biases
             for name in biases:
                 t = f.get_tensor(name).double()

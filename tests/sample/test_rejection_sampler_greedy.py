@@ -184,7 +184,8 @@ def test_npu_matches_cpu_greedy():  # pragma: no cover - NPU only
     want = sampler(spec_metadata(drafts), None, logits.clone(),
                    bonus_tensor(bonus), sampling_metadata(None))
     got = sampler(spec_metadata(drafts, "npu"), None, logits.to("npu"),
-                  bonus_tensor(bonus, "npu"), sampling_metadata(None, device="npu"))
+                  bonus_tensor(bonus, "npu"),
+                  sampling_metadata(None, device="npu"))
     assert got.cpu().tolist() == want.tolist()
 
 

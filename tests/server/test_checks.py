@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.utils.checkpoints import write_random_glm45
 from vllm_ascend import checks
-from vllm_ascend.checks import (check_glm45_checkpoint,
-                                check_sampling_params, expected_glm45_tensors)
+from vllm_ascend.checks import (check_glm45_checkpoint, check_sampling_params,
+                                expected_glm45_tensors)
 
 
 def _config(path: Path) -> dict:

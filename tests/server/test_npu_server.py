@@ -4,9 +4,10 @@ capture sizes) on the NPU code paths.
 Every flag of that command, ``--quantization ascend`` on a W8A8 checkpoint
 with a float MTP layer (``python -m tools.quantize.w8a8 --float-mtp``)
 included, with DP and TP 1 and this host's limits (``--max-model-len``
-within the checkpoint's positions), graph mode by default: the server starts, answers
-completions and chat, and with MTP k = 1 its greedy answers equal those
-without MTP, which equal the offline engine on the same code path.
+within the checkpoint's positions), graph mode by default: the server
+starts, answers completions and chat, and with MTP k = 1 its greedy
+answers equal those without MTP, which equal the offline engine on the
+same code path.
 """
 
 import json

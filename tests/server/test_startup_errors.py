@@ -125,7 +125,7 @@ def outcomes(model_dir, tmp_path_factory) -> dict[str, tuple[int, str]]:
     tmp = tmp_path_factory.mktemp("startup")
     procs = {}
     for name, (args, env) in _cases(model_dir, tmp).items():
-        log = open(tmp / f"{name}.log", "w+")
+        log = open(tmp / f"{name}.log", "w+")  # noqa: SIM115
         procs[name] = (subprocess.Popen(
             [vllm_executable(), *args], stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, **env), start_new_session=True), log)

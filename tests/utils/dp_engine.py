@@ -9,6 +9,7 @@ decode. All processes are killed when one fails or the time is up, so a
 hung collective fails the test instead of hanging it.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -29,10 +30,8 @@ def _free_port() -> int:
 def _kill(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for proc in procs:
         proc.wait()
 
@@ -59,13 +58,12 @@ def run_dp_engine(engine: dict, prompts_per_rank: list[list[list[int]]],
     try:
         for rank, (prompts, sampling) in enumerate(
                 zip(prompts_per_rank, sampling_per_rank)):
-            spec = tempfile.NamedTemporaryFile("w", suffix=".json",
-                                               delete=False)
-            json.dump({"engine": engine, "prompts": prompts,
-                       "sampling": sampling}, spec)
-            spec.close()
-            out = tempfile.TemporaryFile("w+")
-            err = tempfile.TemporaryFile("w+")
+            with tempfile.NamedTemporaryFile("w", suffix=".json",
+                                             delete=False) as spec:
+                json.dump({"engine": engine, "prompts": prompts,
+                           "sampling": sampling}, spec)
+            out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+            err = tempfile.TemporaryFile("w+")  # noqa: SIM115
             files.append((spec.name, out, err))
             rank_env = dict(base_env, VLLM_DP_RANK=str(rank),
                             VLLM_DP_RANK_LOCAL=str(rank))

@@ -79,7 +79,8 @@ def param_sums(model) -> dict:
 def main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as f:
+        spec = json.load(f)
     if spec.get("setup"):
         # "module:function", called before the engine starts (the engine
         # core runs in this process): a test's deliberate mutation.

@@ -151,7 +151,8 @@ def forward_time(before: dict, after: dict) -> dict[str, Any]:
         calls = after[name]["calls"] - before[name]["calls"]
         seconds = after[name]["seconds"] - before[name]["seconds"]
         out[f"{name}_calls"] = calls
-        out[f"{name}_ms_per_forward"] = 1000 * seconds / calls if calls else None
+        out[f"{name}_ms_per_forward"] = (1000 * seconds / calls
+                                         if calls else None)
     if out.get("draft_ms_per_forward") and out.get("target_ms_per_forward"):
         out["draft_over_target"] = (out["draft_ms_per_forward"] /
                                     out["target_ms_per_forward"])
@@ -281,7 +282,8 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
 def main(spec_path: str) -> None:
     from vllm import LLM
 
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as f:
+        spec = json.load(f)
     if spec.get("setup"):
         # "module:function" called before the engine starts (the engine core
         # runs in this process): a deliberate change a test injects.

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tools.bench.report import format_table, write_json, write_plot
-from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig,
-                             default_out, int_list, run_benchmark)
+from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig, default_out,
+                             int_list, run_benchmark)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

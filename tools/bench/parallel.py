@@ -60,10 +60,10 @@ def _run_ranks(specs: list[dict], env: dict, log_dir: Path, name: str,
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
     for rank, spec in enumerate(specs):
-        f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump(spec, f)
-        f.close()
-        log = open(log_dir / f"{name}-rank{rank}.log", "w")
+        with tempfile.NamedTemporaryFile("w", suffix=".json",
+                                         delete=False) as f:
+            json.dump(spec, f)
+        log = open(log_dir / f"{name}-rank{rank}.log", "w")  # noqa: SIM115
         rank_env = dict(env, VLLM_DP_RANK=str(rank),
                         VLLM_DP_RANK_LOCAL=str(rank))
         procs.append(subprocess.Popen(

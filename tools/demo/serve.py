@@ -14,6 +14,7 @@ counters from /metrics and stops the server.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -81,7 +82,7 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path or Path(
             tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
-        self._log: IO[str] = open(self.log_path, "w")
+        self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115
         full_env = dict(os.environ, **(env or {}))
         full_env.setdefault("VLLM_ASCEND_DEVICE", "auto")
         self.proc = subprocess.Popen([vllm_executable(), *args],
@@ -135,10 +136,8 @@ class ServeProcess:
                 except subprocess.TimeoutExpired:
                     continue
         # The engine core may outlive the API server by a moment.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self._log.close()
         return self.proc.returncode
 

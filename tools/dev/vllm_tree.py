@@ -140,8 +140,9 @@ def am_series(tree: Path, patches: list[Path]) -> None:
     env = dict(os.environ, **({} if configured else APPLY_ENV))
     for patch in patches:
         proc = subprocess.run(
-            ["git", "am", "-q", "-k", "--keep-cr", "--committer-date-is-author-date",
-             str(patch)], cwd=tree, capture_output=True, text=True, env=env)
+            ["git", "am", "-q", "-k", "--keep-cr",
+             "--committer-date-is-author-date", str(patch)],
+            cwd=tree, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             subprocess.run(["git", "am", "--abort"], cwd=tree,
                            capture_output=True)

@@ -164,6 +164,7 @@ def reference_results(model: Path, prompts: list[list[int]], ks: list[int],
                       new_tokens: int) -> dict[int, dict[str, Any]]:
     """The offline reference's greedy tokens and acceptance per k."""
     import torch
+
     from tools.reference import Glm45Reference, measure_acceptance
     torch.set_num_threads(1)
     ref = Glm45Reference(model)

@@ -71,7 +71,7 @@ def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
     state = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118
                 state[name] = f.get_tensor(name)
     if not state:
         sys.exit(f"error: no *.safetensors in {model_dir}")

@@ -64,7 +64,8 @@ class AscendAttentionMetadataBuilder(
         AttentionMetadataBuilder[AscendAttentionMetadata]):
     # Uniform batches (decode, and verify batches of 1 + k tokens per
     # request) are captured in full graphs, attention inside: its host
-    # arguments are updated before each replay (graph_tasks.py). Mixed batches run piecewise or eager.
+    # arguments are updated before each replay (graph_tasks.py). Mixed
+    # batches run piecewise or eager.
     cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_BATCH)
 

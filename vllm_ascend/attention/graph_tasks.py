@@ -21,8 +21,9 @@ launch returns, which the replayed task would still address.
 """
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 

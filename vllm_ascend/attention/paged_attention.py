@@ -56,8 +56,9 @@ class PagedAttentionOps(Protocol):
         ...
 
     def attention(self, query: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, metadata: "AscendAttentionMetadata",
-                  scale: float, output: torch.Tensor) -> None:
+                  value_cache: torch.Tensor,
+                  metadata: "AscendAttentionMetadata", scale: float,
+                  output: torch.Tensor) -> None:
         ...
 
 

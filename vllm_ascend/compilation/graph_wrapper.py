@@ -14,12 +14,12 @@ from collections import Counter
 from contextlib import ExitStack
 
 import torch
+from torch.utils._pytree import tree_map
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphEntry, CUDAGraphWrapper
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
-from torch.utils._pytree import tree_map
 from vllm.logger import init_logger
 
 from vllm_ascend.attention import graph_tasks

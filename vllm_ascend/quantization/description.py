@@ -80,8 +80,8 @@ class QuantDescription:
             raise ValueError(
                 f"--quantization ascend needs {DESCRIPTION_FILE} in "
                 f"{model_dir}, and there is none: serve a W8A8 checkpoint "
-                "exported by msModelSlim (or python -m tools.quantize.w8a8), or "
-                "drop --quantization ascend for a float checkpoint.")
+                "exported by msModelSlim (or python -m tools.quantize.w8a8), "
+                "or drop --quantization ascend for a float checkpoint.")
         try:
             entries = json.loads(path.read_text())
         except json.JSONDecodeError as e:

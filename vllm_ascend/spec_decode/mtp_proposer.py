@@ -13,8 +13,8 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_ascend.spec_decode.draft_graphs import (DraftGraphWrapper,
-                                                 capture_draft_graphs,
-                                                 draft_graphs_enabled)
+                                                  capture_draft_graphs,
+                                                  draft_graphs_enabled)
 
 logger = init_logger(__name__)
 
@@ -46,7 +46,10 @@ def shared_with_target(draft: torch.nn.Module,
     if draft.model.embed_tokens is getattr(target.model, "embed_tokens",
                                            None):
         shared.append("embed_tokens")
-    heads = {id(layer.shared_head.head) for layer in draft.model.layers.values()}
+    heads = {
+        id(layer.shared_head.head)
+        for layer in draft.model.layers.values()
+    }
     if heads == {id(getattr(target, "lm_head", None))}:
         shared.append("lm_head")
     return shared

@@ -15,8 +15,8 @@ from vllm.v1.worker.gpu_worker import (Worker,
 from vllm_ascend import device
 from vllm_ascend.distributed import moe_comm
 from vllm_ascend.worker.model_runner import (AscendModelRunner,
-                                              CpuReferenceModelRunner,
-                                              NpuModelRunner)
+                                             CpuReferenceModelRunner,
+                                             NpuModelRunner)
 
 logger = init_logger(__name__)
 

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from . import npu as _npu_module
 from ._hccl import HcclContractGroup
+
+# isort: off
 from ._mc2 import (npu_moe_distribute_combine_v2,  # noqa: F401
                    npu_moe_distribute_dispatch_v2)
 from ._ops import (  # noqa: F401
@@ -20,6 +22,7 @@ from ._ops import (  # noqa: F401
     npu_fused_infer_attention_score, npu_grouped_matmul,
     npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_quant_matmul,
     npu_quantize, npu_rms_norm, npu_rotary_mul, npu_swiglu)
+# isort: on
 
 CONTRACT_DOUBLE = True
 __version__ = "2.8.0+contract-double"

@@ -35,7 +35,6 @@ import dataclasses
 import torch
 
 from . import _emulator as graph_emulator
-
 from . import npu
 
 NPU_STREAMS = 2048

@@ -35,10 +35,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._emulator import (GraphCaptureError,
-                                                    capturing, kernel)
-
 from . import _graphs
+from ._emulator import GraphCaptureError, capturing, kernel
 from ._trace import record
 
 # HCCLUtils.cpp, kScalarTypeToHcclDataType.

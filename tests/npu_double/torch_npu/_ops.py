@@ -23,7 +23,6 @@ import torch.utils._device as torch_device_utils
 from torch.utils._pytree import tree_flatten
 
 from . import _emulator
-
 from . import npu as _npu
 from ._trace import record, traced
 

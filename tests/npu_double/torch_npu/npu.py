@@ -325,10 +325,12 @@ def manual_seed(seed: int) -> None:
 # Device graphs: the plugin's CPU graph emulator, which follows torch_npu's
 # NPUGraph, graph, task-group/task-update and ExternalEvent contracts, with
 # the device's streams and pool memory (``_graphs``).
+# isort: off
 from ._emulator import (  # noqa: E402,F401
     ExternalEvent, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end)
 
 from . import _graphs  # noqa: E402
+# isort: on
 
 NPUGraph = _graphs.NPUGraph

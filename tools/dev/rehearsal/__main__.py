@@ -33,6 +33,7 @@ requires, and the profile run's peak) against it.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -237,16 +238,15 @@ class MemoryWatch:
                               f"{self.min_available / GiB:g}")
                 if reason and not self.killed:
                     self.killed = reason
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 self._stop.wait(self.period)
 
 
-# --- the server's log ----------------------------------------------------------
+# --- the server's log --------------------------------------------------------
 
-PREFIX = re.compile(r"^\((?P<proc>[A-Za-z0-9_]+) pid=(?P<pid>\d+)\)\s*(?P<msg>.*)$")
+PREFIX = re.compile(r"^\((?P<proc>[A-Za-z0-9_]+) pid=(?P<pid>\d+)\)"
+                    r"\s*(?P<msg>.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FLOAT = r"([0-9]+(?:\.[0-9]+)?)"
 PATTERNS = {
@@ -416,7 +416,8 @@ def _wait_healthy(server: ServeProcess, timeout: float) -> float:
             text = server.log_path.read_text(errors="replace")
             cause = CAUSE.search(ANSI.sub("", text))
             if cause:
-                raise RuntimeError(f"a worker failed ({cause.group(0)})")
+                raise RuntimeError(
+                    f"a worker failed ({cause.group(0)})") from None
 
 
 def _health_slice(server: ServeProcess, seconds: float,
@@ -518,14 +519,15 @@ def compare(mtp: RunResult, base: RunResult,
         top = base.logprobs[i][j] if j < len(want) else {}
         gap = (top.get(str(want[j]), 0) - top[str(got[j])]
                if j < len(got) and str(got[j]) in top else None)
+        near = gap is not None and gap <= near_tie
         lines.append(f"request {i}: DIFFERS at token {j} ({got[j:j + 4]} vs"
                      f" {want[j:j + 4]}); no-MTP top-2 gap "
                      f"{_fmt(gap, '.3f')}"
-                     f"{' (near tie)' if gap is not None and gap <= near_tie else ''}")
+                     f"{' (near tie)' if near else ''}")
     return lines
 
 
-# --- main ----------------------------------------------------------------------
+# --- main --------------------------------------------------------------------
 
 
 def _quantize(src: Path, dst: Path, calibrate: bool) -> bool:
@@ -594,8 +596,9 @@ def main(argv=None) -> int:
         hidden_size=args.hidden_size, seed=args.seed)
     times["build"] = time.monotonic() - t0
     info = json.loads((float_dir / glm45_depth.BUILD_INFO).read_text())
-    print(f"[rehearsal] checkpoint {float_dir} ({'built' if built else 'reused'}"
-          f"): {info['parameters'] / 1e6:.0f} M parameters, "
+    print(f"[rehearsal] checkpoint {float_dir} "
+          f"({'built' if built else 'reused'}): "
+          f"{info['parameters'] / 1e6:.0f} M parameters, "
           f"{info['bytes'] / 2**20:.0f} MiB", flush=True)
     t0 = time.monotonic()
     quant_dir = args.out / (f"w8a8-float-mtp-h{args.hidden_size}-s"

@@ -25,9 +25,8 @@ from vllm.distributed import get_ep_group
 
 from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
                                                    MoECommMethod)
-from vllm_ascend.distributed.moe_comm.exchange import (owner_table,
-                                                       pair_rows, tp_share,
-                                                       weighted_sum)
+from vllm_ascend.distributed.moe_comm.exchange import (owner_table, pair_rows,
+                                                       tp_share, weighted_sum)
 from vllm_ascend.distributed.moe_comm.mc2_kernels import FusedMC2Kernels
 
 

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vllm_ascend.ops import quant
 from vllm_ascend.device import npu_kernels
+from vllm_ascend.ops import quant
 from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
                                          _npu_unpermute, grouped_matmul_npu)
 
