@@ -4,7 +4,7 @@ from vllm_ascend.compilation.capture_sizes import align_capture_sizes
 
 
 def test_sizes_round_up_to_multiples_of_verify_batch():
-    # The original report's sizes with k = 1.
+    # The reference serve command's sizes with k = 1.
     sizes = [64, 48, 32, 16, 8, 4, 1]
     assert align_capture_sizes(sizes, 1) == [64, 48, 32, 16, 8, 4, 2]
     got = align_capture_sizes(sizes, 2)

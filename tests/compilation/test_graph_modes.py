@@ -2,8 +2,8 @@
 without an NPU): same tokens, same acceptance as eager, and graphs really
 captured and replayed.
 
-The original command's capture sizes ``[1, 4, 8, 16, 32, 48, 64]``, rounded
-to multiples of ``1 + k``; batches that hit them and batches that miss them
+The reference serve command's capture sizes ``[1, 4, 8, 16, 32, 48, 64]``,
+rounded to multiples of ``1 + k``; batches that hit them and batches that miss them
 (prefill chunks run eager), chunked prefill, forced preemption.
 """
 

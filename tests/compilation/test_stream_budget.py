@@ -34,8 +34,9 @@ def _config(mode, layers=GLM45_LAYERS, tp=8, dp=2, ep=True):
 @pytest.mark.parametrize("tp,dp,ep", [(8, 2, True), (2, 2, True),
                                       (16, 1, False), (1, 1, False)])
 def test_glm45_depth_fits_in_the_streams(mode, tp, dp, ep):
-    """The original command's layout and others at 92 layers + MTP: what
-    is kept takes at most the NPU's streams, and dropping was needed."""
+    """The reference serve command's layout and others at 92 layers + MTP:
+    what is kept takes at most the NPU's streams, and dropping was
+    needed."""
     config = _config(mode, tp=tp, dp=dp, ep=ep)
     kept = graph_mode._bound_by_streams(config, DEFAULT_SIZES, 1)
     budget = graph_mode.budget_of(config, 1)

@@ -66,7 +66,7 @@ def test_communicating_graphs_take_group_streams(npu):
 
 def _pool_after_pieces(npu_api, graphs, weak: bool) -> int:
     """Capture 10 pieces of one size each in a shared pool, keeping each
-    output as vLLM's wrapper does (weakly) or as main did (strongly)."""
+    output as vLLM's wrapper does (weakly) or strongly."""
     from vllm_ascend.compilation.graph_wrapper import weak_output
     pool = npu_api.graph_pool_handle()
     x = torch.ones(1 << 16)

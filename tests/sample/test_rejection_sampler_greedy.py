@@ -9,8 +9,8 @@ import pytest
 import torch
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
-from tests.sample.rs_helpers import (GREEDY, bonus_tensor, sampling_metadata,
-                                     spec_metadata)
+from tests.sample.rejection_inputs import (GREEDY, bonus_tensor,
+                                           sampling_metadata, spec_metadata)
 from vllm_ascend.sample import AscendRejectionSampler
 
 VOCAB = 16

@@ -18,8 +18,8 @@ import torch
 from scipy import stats
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
-from tests.sample.rs_helpers import (bonus_tensor, sampling_metadata,
-                                     spec_metadata_from_tensor)
+from tests.sample.rejection_inputs import (bonus_tensor, sampling_metadata,
+                                           spec_metadata_from_tensor)
 from vllm_ascend.sample import AscendRejectionSampler
 
 VOCAB = 12

@@ -2,8 +2,8 @@
 
 import torch
 
-from tests.sample.rs_helpers import (GREEDY, bonus_tensor, sampling_metadata,
-                                     spec_metadata)
+from tests.sample.rejection_inputs import (GREEDY, bonus_tensor,
+                                           sampling_metadata, spec_metadata)
 from vllm_ascend.sample import AscendRejectionSampler
 
 VOCAB = 32

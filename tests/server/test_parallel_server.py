@@ -1,7 +1,7 @@
-"""``vllm serve`` with the original command's parallel flags scaled to this
-host: ``--data-parallel-size 2 --tensor-parallel-size 2
+"""``vllm serve`` with the reference serve command's parallel flags scaled
+to this host: ``--data-parallel-size 2 --tensor-parallel-size 2
 --enable-expert-parallel`` (four engine processes on gloo) with MTP k = 2
-in the default graph mode and MoE communication method (k = 1 runs
+in the default mode and MoE communication method (k = 1 runs
 offline: tests/e2e/test_data_parallel.py). Its greedy answers and the
 acceptance it reports (summed over the DP engines) are the single-process
 engine's with MTP (whose tokens equal those without MTP:
@@ -45,7 +45,7 @@ def _counter(metrics: str, name: str) -> float:
 
 # Four engine processes and a server: in `make nightly`. CI runs the layout
 # offline (tests/e2e/test_data_parallel.py, tests/npu/test_npu_engine.py)
-# and the original command's other flags served (tests/server).
+# and the reference serve command's other flags served (tests/server).
 @pytest.mark.heavy
 @pytest.mark.parametrize("k", [2])
 def test_dp2_tp2_ep_mtp_server_equals_single_process(k):

@@ -64,10 +64,10 @@ ADDITIONAL_CONFIG = {"ascend_scheduler_config": {
 PROMPTS = ["the quiet green frog", "one two three four five six",
            "what is the capital of", "red blue", "count to ten: one"]
 RUNS = ("mtp", "mtp-default-sizes", "no-mtp")
-# Not run by default: the MTP run with the plugin as main was before the
-# fidelity fixes (tools/dev/rehearsal/as_main), which must fail at capture.
-AS_MAIN = "mtp-as-main"
-AS_MAIN_PATH = Path(__file__).resolve().parent / "as_main"
+# Not run by default: the MTP run with the plugin without its graph
+# resource guards (tools/dev/rehearsal/unbounded), which must fail at capture.
+UNBOUNDED = "mtp-unbounded"
+UNBOUNDED_PATH = Path(__file__).resolve().parent / "unbounded"
 DP, TP = 2, 2
 
 
@@ -453,9 +453,9 @@ def run_one(name: str, model: Path, flags: Flags, env: dict[str, str],
     print(f"[rehearsal] {name}: vllm " + " ".join(
         f"'{a}'" if a.startswith("{") else a for a in cli), flush=True)
     print(f"[rehearsal] {name}: log {result.log}", flush=True)
-    if name == AS_MAIN:
+    if name == UNBOUNDED:
         env = {**env, "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(AS_MAIN_PATH), os.environ.get("PYTHONPATH")]))}
+            filter(None, [str(UNBOUNDED_PATH), os.environ.get("PYTHONPATH")]))}
     server = ServeProcess(cli, port, env=env, log_path=result.log)
     watch = MemoryWatch(server.proc.pid, logs / f"{name}.memory",
                         args.max_rss_gib * GiB, args.min_available_gib * GiB)
@@ -564,8 +564,8 @@ def main(argv=None) -> int:
                         "--dynamic-only")
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"comma-separated, of {', '.join(RUNS)} "
-                        f"and {AS_MAIN} (the plugin as main was before the "
-                        "fidelity fixes: must fail at capture)")
+                        f"and {UNBOUNDED} (the plugin without its graph "
+                        "resource guards: must fail at capture)")
     parser.add_argument("--npu-memory-gib", type=float, default=2.0,
                         help="VLLM_ASCEND_NPU_DOUBLE_MEMORY_GIB per rank")
     parser.add_argument("--max-model-len", type=int, default=35000)
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
                         help="kill a run when the host has less available")
     args = parser.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
-    unknown = [r for r in runs if r not in (*RUNS, AS_MAIN)]
+    unknown = [r for r in runs if r not in (*RUNS, UNBOUNDED)]
     if unknown:
         parser.error(f"unknown run {unknown[0]!r}; choose from {RUNS}")
     flags = Flags(max_model_len=args.max_model_len,
