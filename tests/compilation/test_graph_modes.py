@@ -3,8 +3,8 @@ without an NPU): same tokens, same acceptance as eager, and graphs really
 captured and replayed.
 
 The reference serve command's capture sizes ``[1, 4, 8, 16, 32, 48, 64]``,
-rounded to multiples of ``1 + k``; batches that hit them and batches that miss them
-(prefill chunks run eager), chunked prefill, forced preemption.
+rounded to multiples of ``1 + k``; batches that hit them and batches that
+miss them (prefill chunks run eager), chunked prefill, forced preemption.
 """
 
 import pytest
