@@ -113,8 +113,9 @@ class AscendPlatformBase(Platform):
         checks.check_parallel_layout(vllm_config)
         moe_comm.check_config(vllm_config)
         spec = vllm_config.speculative_config
-        configure_graph_mode(
-            vllm_config, spec.num_speculative_tokens if spec else 0)
+        configure_graph_mode(vllm_config,
+                             spec.num_speculative_tokens if spec else 0,
+                             graphs=cls.support_static_graph_mode())
 
         # Workers are spawned: forking after torch threads start is unsafe.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -103,7 +103,7 @@ def test_launch_blocking_refused_with_graphs(monkeypatch):
         compilation_config=compilation, model_config=None,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
     with pytest.raises(ValueError, match="ASCEND_LAUNCH_BLOCKING=1"):
-        graph_mode.configure_graph_mode(config, 1)
+        graph_mode.configure_graph_mode(config, 1, graphs=True)
     compilation.cudagraph_mode = CUDAGraphMode.NONE
-    graph_mode.configure_graph_mode(config, 1)
+    graph_mode.configure_graph_mode(config, 1, graphs=True)
     assert os.environ["ASCEND_LAUNCH_BLOCKING"] == "1"

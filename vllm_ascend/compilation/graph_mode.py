@@ -30,11 +30,18 @@ logger = init_logger(__name__)
 
 
 def configure_graph_mode(vllm_config: "VllmConfig",
-                         num_speculative_tokens: int) -> None:
+                         num_speculative_tokens: int, graphs: bool) -> None:
+    """``graphs``: whether the platform captures device graphs."""
     from vllm.config import CompilationLevel, CUDAGraphMode
 
     compilation_config = vllm_config.compilation_config
     compilation_config.use_inductor = False
+    if not graphs:
+        # As vLLM's CPU platform: nothing to capture (vLLM has set the mode
+        # to NONE), and no size to compile for.
+        compilation_config.cudagraph_capture_sizes = []
+        compilation_config.init_with_cudagraph_sizes([])
+        return
     if compilation_config.cudagraph_capture_sizes is None:
         vllm_config._set_cudagraph_sizes()
     sizes = compilation_config.cudagraph_capture_sizes
