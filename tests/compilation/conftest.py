@@ -10,7 +10,7 @@ from tests.utils.engine import run_engines
 def graph_runs(tmp_path_factory) -> dict:
     """Every engine run of the graph-mode and mutation tests, two at a time
     (2 cores): the no-MTP eager reference, eager and each graph mode with
-    MTP k = 1 (k = 2: FULL_AND_PIECEWISE), and each mutation (the runs:
+    MTP k = 1 and 2 (graph_jobs.MODES_PER_K), and each mutation (the runs:
     graph_jobs.py). Keys: ``"reference"``, ``(k, mode)``,
     ``("mutation", name)``."""
     model = write_checkpoint(tmp_path_factory.mktemp("glm45-graphs"))

@@ -46,8 +46,10 @@ TP2_PER_RANK = [list(ALL)]
 # requests (and so the single-process references of their acceptance).
 DP_TP_PER_RANK = [[0, 3], [2]]
 # (k, expert_parallel, per_rank) of test_dp2_mtp_outputs_equal_dp1.
-DP2_CASES = [(2, True, [[2], [0, 3]]), (1, True, [[0, 3], []]),
-             (2, False, [[4], [0, 3]])]
+# k = 2 with EP on uneven ranks runs in CI on the NPU code paths
+# (tests/npu/test_npu_engine.py, dp2-ep-k2), here in `make nightly`.
+DP2_CASES = [pytest.param(2, True, [[2], [0, 3]], marks=pytest.mark.heavy),
+             (1, True, [[0, 3], []]), (2, False, [[4], [0, 3]])]
 
 
 def _speculative(k: int) -> dict:

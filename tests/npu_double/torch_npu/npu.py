@@ -322,15 +322,47 @@ def manual_seed(seed: int) -> None:
     pass
 
 
-# Device graphs: the plugin's CPU graph emulator, which follows torch_npu's
-# NPUGraph, graph, task-group/task-update and ExternalEvent contracts, with
-# the device's streams and pool memory (``_graphs``).
+# Device graphs: the graph emulator, which follows torch_npu's NPUGraph,
+# graph, task-group/task-update and ExternalEvent contracts, with the
+# device's streams and pool memory (``_graphs``); each call site recorded.
 # isort: off
-from ._emulator import (  # noqa: E402,F401
-    ExternalEvent, graph, graph_pool_handle, graph_task_group_begin,
-    graph_task_group_end, graph_task_update_begin, graph_task_update_end)
-
+from . import _emulator  # noqa: E402
+from ._emulator import graph  # noqa: E402,F401
 from . import _graphs  # noqa: E402
 # isort: on
 
-NPUGraph = _graphs.NPUGraph
+
+def _recorded(name: str, fn):
+    """``fn``, recording the plugin call site of each call as ``name``."""
+
+    def call(*args, **kwargs):
+        record(name)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+graph_pool_handle = _recorded("torch.npu.graph_pool_handle",
+                              _emulator.graph_pool_handle)
+graph_task_group_begin = _recorded("torch.npu.graph_task_group_begin",
+                                   _emulator.graph_task_group_begin)
+graph_task_group_end = _recorded("torch.npu.graph_task_group_end",
+                                 _emulator.graph_task_group_end)
+graph_task_update_begin = _recorded("torch.npu.graph_task_update_begin",
+                                    _emulator.graph_task_update_begin)
+graph_task_update_end = _recorded("torch.npu.graph_task_update_end",
+                                  _emulator.graph_task_update_end)
+
+
+class ExternalEvent(_emulator.ExternalEvent):
+
+    def __init__(self) -> None:
+        record("torch.npu.ExternalEvent")
+        super().__init__()
+
+
+class NPUGraph(_graphs.NPUGraph):
+
+    def __init__(self) -> None:
+        record("torch.npu.NPUGraph")
+        super().__init__()
