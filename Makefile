@@ -69,7 +69,7 @@ test: $(STAMP) apply
 
 # Nightly regression against benchmarks/nightly/baseline.json (runs and the
 # trend page in benchmarks/nightly/runs); NIGHTLY_ARGS="--smoke", "--model
-# PATH", "--device npu --preset original", "--update-baseline". First the
+# PATH", "--device npu --preset serve", "--update-baseline". First the
 # tests marked heavy (more parallel layouts, which `make test` leaves out).
 nightly: $(STAMP) apply
 	$(PY) -m pytest -q -m heavy tests

@@ -274,7 +274,7 @@ def test_new_models_baseline_catches_a_damaged_mtp_layer(new_model_runs):
     not os.environ.get("VLLM_ASCEND_NIGHTLY_NPU_MODEL"),
     reason="needs an Ascend server with 8 NPUs and a GLM-4.5 checkpoint "
     "named by VLLM_ASCEND_NIGHTLY_NPU_MODEL")
-def test_nightly_on_npu_with_the_original_preset(tmp_path):
+def test_nightly_on_npu_with_the_serve_preset(tmp_path):
     """The first run on a server writes its baseline; the second must pass
     against it (same machine, same checkpoint). The prompts: the fixture's
     held-out texts, tokenized by the checkpoint's tokenizer."""
@@ -283,7 +283,7 @@ def test_nightly_on_npu_with_the_original_preset(tmp_path):
     prompts.write_text(json.dumps(
         [p["text"] for p in json.loads((FIXTURE / HELDOUT).read_text())]))
     args = [sys.executable, *NIGHTLY, "--device", "npu", "--preset",
-            "original", "--skip-reference", "--model",
+            "serve", "--skip-reference", "--model",
             os.environ["VLLM_ASCEND_NIGHTLY_NPU_MODEL"], "--prompts",
             str(prompts), "--baseline", str(baseline), "--out",
             str(tmp_path / "runs")]

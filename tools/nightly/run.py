@@ -6,7 +6,7 @@ speed and memory against a baseline, in one run.
         --baseline benchmarks/nightly/baseline.json \\
         --out benchmarks/nightly/runs [--model PATH] [--device cpu|npu]
     .venv/bin/python -m tools.nightly --smoke ...   # one config (CI)
-    .venv/bin/python -m tools.nightly --device npu --preset original \\
+    .venv/bin/python -m tools.nightly --device npu --preset serve \\
         --model /home/glm4.5_w8a8_with_float_mtp --prompts prompts.json \\
         --baseline npu.json --update-baseline        # a new model's first run
 
@@ -74,7 +74,7 @@ PLANS = {
 # The reference serve command (DP 2 x TP 8 + EP, W8A8, graph capture
 # sizes), as far as one offline engine takes it: TP 8 with expert
 # parallelism, its batch limits and capture sizes (its DP 2 runs as two such
-# engines behind `vllm serve`; not here). `--preset original` selects it.
+# engines behind `vllm serve`; not here). `--preset serve` selects it.
 SERVE_PRESET = {
     "tensor_parallel_size": 8, "enable_expert_parallel": True,
     "max_num_seqs": 32, "max_num_batched_tokens": 16384,
@@ -234,9 +234,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="npu: an Ascend server, or the torch_npu double "
                    "with VLLM_ASCEND_NPU_DOUBLE=1")
     p.add_argument("--smoke", action="store_true",
-                   help="one config (default graph mode, k=1), for CI")
-    p.add_argument("--preset", choices=["original"], default=None,
-                   help="original: the reference serve command's parallel "
+                   help="one config (k=1; eager on the CPU), for CI")
+    p.add_argument("--preset", choices=["serve"], default=None,
+                   help="serve: the reference serve command's parallel "
                    "and graph flags "
                    "(TP 8, EP, capture sizes; needs 8 NPUs)")
     p.add_argument("--skip-reference", action="store_true",
@@ -303,9 +303,9 @@ def run(args: argparse.Namespace) -> int:
         args.baseline = (ROOT / "benchmarks" / "nightly" /
                          ("baseline-smoke.json"
                           if args.smoke else "baseline.json"))
-    if args.preset == "original":
+    if args.preset == "serve":
         if args.device != "npu":
-            raise CannotRun("--preset original needs --device npu (8 NPUs "
+            raise CannotRun("--preset serve needs --device npu (8 NPUs "
                             "for TP 8)")
         plan = dataclasses.replace(plan, engine=SERVE_PRESET)
     if not args.baseline.is_file() and not args.update_baseline:
