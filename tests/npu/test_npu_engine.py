@@ -166,7 +166,10 @@ def _reached(trace: str, sites: list[tuple[str, str]]) -> bool:
     pytest.param(2, 2, True, None, [[0, 1, 2], [3]], True,
                  marks=pytest.mark.heavy),
     (1, 2, True, None, [[0, 1, 2], [3]], True),
-    (1, 2, True, "allgather", [[0, 4], [1, 2, 3]], False),
+    # All-gather: every method equals one process at the MoE layer in CI
+    # (tests/distributed/test_moe_comm.py); the engine run in make nightly.
+    pytest.param(1, 2, True, "allgather", [[0, 4], [1, 2, 3]], False,
+                 marks=pytest.mark.heavy),
     (1, 1, True, "alltoall", [[3], [0, 1, 2]], False),
     pytest.param(1, 2, False, None, [[1], [0, 2, 3]], False,
                  marks=pytest.mark.heavy),
