@@ -37,10 +37,14 @@ def configure_graph_mode(vllm_config: "VllmConfig",
     compilation_config = vllm_config.compilation_config
     compilation_config.use_inductor = False
     if not graphs:
-        # As vLLM's CPU platform: nothing to capture (vLLM has set the mode
-        # to NONE), and no size to compile for.
-        compilation_config.cudagraph_capture_sizes = []
-        compilation_config.init_with_cudagraph_sizes([])
+        # Nothing is captured (vLLM has set the mode to NONE); the sizes
+        # still need vLLM's derived fields (compile sizes, the padding
+        # table its MTP proposer reads), given or not.
+        if compilation_config.cudagraph_capture_sizes is None:
+            vllm_config._set_cudagraph_sizes()
+        else:
+            compilation_config.init_with_cudagraph_sizes(
+                compilation_config.cudagraph_capture_sizes)
         return
     if compilation_config.cudagraph_capture_sizes is None:
         vllm_config._set_cudagraph_sizes()
