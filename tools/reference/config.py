@@ -2,6 +2,8 @@
 tiny fixture's sizes (``tests/fixtures/build_tiny_glm45.py``); the rehearsal
 (``tools/dev/rehearsal/depth.py``) overrides the shape with GLM-4.5's own."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 from . import corpus
@@ -46,3 +48,15 @@ def glm45_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
         "use_qk_norm": True,
         "vocab_size": vocab_size,
     }
+
+
+def write_config_files(out: Path, config: dict[str, Any]) -> None:
+    """``config.json`` and the ``generation_config.json`` that goes with
+    it."""
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({
+        "_from_model_config": True,
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "transformers_version": config["transformers_version"],
+    }, indent=2) + "\n")

@@ -43,10 +43,6 @@ class AscendModelRunner(GPUModelRunner):
             self.rejection_sampler = AscendRejectionSampler()
         if isinstance(getattr(self, "drafter", None), EagleProposer):
             self.drafter = make_proposer(vllm_config, torch_device, self)
-            # No capture sizes (the CPU reference device): vLLM's proposer
-            # would pad a draft batch to a graph size that does not exist.
-            if not self.drafter.cudagraph_batch_sizes:
-                self.drafter.use_cuda_graph = False
         self._drafted = False
         self._drafts_under_dp = (
             isinstance(getattr(self, "drafter", None), EagleProposer)

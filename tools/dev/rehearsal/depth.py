@@ -37,7 +37,7 @@ import torch
 from tools.dev.fetch_vllm_sdist import default_cache_dir
 from tools.reference import corpus
 from tools.reference.checkpoint import save_sharded
-from tools.reference.config import glm45_config
+from tools.reference.config import glm45_config, write_config_files
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-glm45"
@@ -216,13 +216,7 @@ def build(out: Optional[Path] = None, hidden_size: int = DEFAULT_HIDDEN,
                                     ).get_vocab_size(with_added_tokens=True)
     tensors = random_tensors(config, seed, printable)
     files = save_sharded(out, tensors, num_shards=num_shards)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({
-        "_from_model_config": True,
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "transformers_version": config["transformers_version"],
-    }, indent=2) + "\n")
+    write_config_files(out, config)
     for name in TOKENIZER_FILES:
         if (FIXTURE / name).exists():
             shutil.copy(FIXTURE / name, out / name)
