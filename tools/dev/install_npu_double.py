@@ -6,6 +6,8 @@ double (``tests/npu_double/torch_npu``) when it imports ``torch_npu``.
 Without it the hook does nothing. ``make install`` runs it as
 ``python -m tools.dev.install_npu_double``: a ``.pth`` file imports a small
 module that adds a finder for the one package name, ``torch_npu``.
+``VLLM_ASCEND_NPU_DOUBLE_PACKAGE`` points it at another checkout's double
+(a git worktree sharing this venv).
 """
 
 import site
@@ -22,7 +24,8 @@ import importlib.util
 import os
 import sys
 
-PACKAGE = {str(PACKAGE)!r}
+PACKAGE = os.environ.get("VLLM_ASCEND_NPU_DOUBLE_PACKAGE",
+                         {str(PACKAGE)!r})
 
 
 class TorchNpuDoubleFinder(importlib.abc.MetaPathFinder):
