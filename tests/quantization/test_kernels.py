@@ -41,16 +41,18 @@ def test_rounding_is_half_to_even_and_saturates():
     q, scale = quant.dynamic_quant_ref(x)
     assert scale.item() == 1.0
     assert q.tolist() == [[127, 0, 2, 2, -2, 0]]
-    s, o = torch.tensor([0.5]), torch.tensor([3.0])
-    q = quant.static_quant_ref(torch.tensor([100.0, -100.0, 0.25, 1.0]), s, o)
+    r, o = quant.static_quant_params(torch.tensor([0.5]), torch.tensor([3.0]),
+                                     torch.float32)
+    q = quant.static_quant_ref(torch.tensor([100.0, -100.0, 0.25, 1.0]), r, o)
     # 100/0.5+3 and -100/0.5+3 saturate; 0.25/0.5+3 = 3.5 -> 4 (even).
     assert q.tolist() == [127, -128, 4, 5]
 
 
 def test_static_quant_formula():
     x = torch.randn(5, 32, generator=_gen(1))
-    scale, offset = torch.tensor([0.02]), torch.tensor([-7.0])
-    q = quant.static_quant_ref(x, scale, offset)
+    q = quant.static_quant_ref(
+        x, *quant.static_quant_params(torch.tensor([0.02]),
+                                      torch.tensor([-7.0]), x.dtype))
     want = (x.double() / 0.02 - 7).clamp(-128, 127)
     assert (q.double() - want).abs().max() <= 0.5 + 1e-5
 
@@ -165,9 +167,10 @@ class TestNpuAgainstReference:
 
     def test_static_quant(self):
         x = torch.randn(5, 128, generator=_gen(8)).to(torch.bfloat16)
-        scale, offset = torch.tensor([0.03]), torch.tensor([4.0])
-        q = quant._static_quant_npu(to_npu(x), to_npu(scale), to_npu(offset))
-        q_ref = quant.static_quant_ref(x, scale, offset)
+        r, o = quant.static_quant_params(torch.tensor([0.03]),
+                                         torch.tensor([4.0]), x.dtype)
+        q = quant._static_quant_npu(to_npu(x), to_npu(r), to_npu(o))
+        q_ref = quant.static_quant_ref(x, r, o)
         assert q.dtype == torch.int8
         assert torch.equal(q.cpu(), q_ref)
 

@@ -8,9 +8,10 @@ int32), and dequantize in float32 as the NPU kernels do:
 
 - ``dynamic_quant(x)``: per-token symmetric int8, scale = max|x_t| / 127,
   q = clamp(round_half_even(x / scale), -128, 127);
-- ``static_quant(x, scale, offset)``: per-tensor asymmetric int8,
-  q = clamp(round_half_even(x * r + o), -128, 127), r = 1 / scale and
-  o = offset rounded to x's dtype, as npu_quantize takes them;
+- ``static_quant(x, r, o)``: per-tensor asymmetric int8,
+  q = clamp(round_half_even(x * r + o), -128, 127), with r = 1 / scale and
+  o = offset in x's dtype, as npu_quantize takes them: computed once, at
+  load, by ``static_quant_params``;
 - ``quant_matmul(q, w_t, scale, pertoken_scale, bias)``:
   y = float32(q @ w_t + bias) * scale[n] (* pertoken_scale[m]), with
   ``w_t`` int8 [K, N] (the NPU's x2 layout) and ``bias`` int32.
@@ -38,19 +39,20 @@ def dynamic_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _round_to_int8(xf / safe.unsqueeze(-1)), scale
 
 
-def _static_quant_params(
-        x: torch.Tensor, scale: torch.Tensor,
-        offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reciprocal scale and the offset in x's dtype, one element each
-    (npu_quantize multiplies by scales of its input's dtype)."""
-    return ((1.0 / scale.float()).to(x.dtype).reshape(1),
-            offset.to(x.dtype).reshape(1))
+def static_quant_params(
+        scale: torch.Tensor, offset: torch.Tensor,
+        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reciprocal scale and the offset in the activations' ``dtype``,
+    one element each (npu_quantize multiplies by scales of its input's
+    dtype), from the calibrated float32 ``scale`` and ``offset``. Computed
+    at load so that a call launches the quantization alone."""
+    return ((1.0 / scale.float()).to(dtype).reshape(1),
+            offset.to(dtype).reshape(1))
 
 
-def static_quant_ref(x: torch.Tensor, scale: torch.Tensor,
-                     offset: torch.Tensor) -> torch.Tensor:
-    """``scale`` and ``offset`` are float32 tensors of one element."""
-    r, o = _static_quant_params(x, scale, offset)
+def static_quant_ref(x: torch.Tensor, r: torch.Tensor,
+                     o: torch.Tensor) -> torch.Tensor:
+    """``r``, ``o``: ``static_quant_params`` in x's dtype."""
     return _round_to_int8(x.float() * r.float() + o.float())
 
 
@@ -75,11 +77,10 @@ def _dynamic_quant_npu(
     return torch_npu.npu_dynamic_quant(x)
 
 
-def _static_quant_npu(x: torch.Tensor, scale: torch.Tensor,
-                      offset: torch.Tensor) -> torch.Tensor:
+def _static_quant_npu(x: torch.Tensor, r: torch.Tensor,
+                      o: torch.Tensor) -> torch.Tensor:
     """npu_quantize with div_mode=False: x * r + o."""
     import torch_npu
-    r, o = _static_quant_params(x, scale, offset)
     return torch_npu.npu_quantize(x, r, o, torch.qint8, -1, False)
 
 

@@ -18,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.layer import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ascend.distributed import moe_comm
+from vllm_ascend.ops import weight_format
 from vllm_ascend.ops.moe.fused_moe import route
 from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
                                                grouped_mlp_w8a8_npu,
@@ -74,6 +75,10 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
                         expert_scale_dtype(layer.moe_config.in_dtype)).
                               contiguous(),
                               requires_grad=False))
+        # Last: the weights in their final layout, read fastest in the
+        # NPU's NZ format.
+        layer.w13_weight.data = weight_format.to_nz(layer.w13_weight.data)
+        layer.w2_weight.data = weight_format.to_nz(layer.w2_weight.data)
 
     def get_fused_moe_quant_config(
             self, layer: torch.nn.Module) -> Optional[FusedMoEQuantConfig]:

@@ -13,7 +13,7 @@ from vllm.model_executor.parameter import (ChannelQuantScaleParameter,
                                            ModelWeightParameter,
                                            PerTensorScaleParameter)
 
-from vllm_ascend.ops import quant
+from vllm_ascend.ops import quant, weight_format
 
 
 def _check_symmetric(layer: torch.nn.Module, prefix: str) -> None:
@@ -59,8 +59,10 @@ class AscendW8A8DynamicLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _check_symmetric(layer, self.prefix)
-        # The matmul kernels take the weight as x2 [K, N].
-        _replace(layer, "weight", layer.weight.data.t().contiguous())
+        # The matmul kernels take the weight as x2 [K, N], read fastest in
+        # the NPU's NZ format.
+        _replace(layer, "weight",
+                 weight_format.to_nz(layer.weight.data.t().contiguous()))
         _replace(layer, "weight_scale",
                  layer.weight_scale.data.flatten().float())
         del layer.weight_offset
@@ -130,6 +132,15 @@ class AscendW8A8LinearMethod(AscendW8A8DynamicLinearMethod):
                     f"{values.tolist()} differ; they quantize one input and "
                     "must be equal: re-export the checkpoint.")
             _replace(layer, name, values[:1].clone())
+        # What the quantization multiplies by, in the activations' dtype,
+        # once here rather than at every call (buffers: not checkpoint
+        # parameters).
+        reciprocal, offset = quant.static_quant_params(
+            layer.input_scale.data, layer.input_offset.data,
+            layer.params_dtype)
+        layer.register_buffer("input_scale_reciprocal", reciprocal,
+                              persistent=False)
+        layer.register_buffer("input_offset_cast", offset, persistent=False)
         if (isinstance(layer, RowParallelLinear)
                 and get_tensor_model_parallel_rank() > 0):
             # Each rank's partial sum is dequantized; the offset correction
@@ -141,7 +152,8 @@ class AscendW8A8LinearMethod(AscendW8A8DynamicLinearMethod):
               x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        q = quant.static_quant(x2, layer.input_scale, layer.input_offset)
+        q = quant.static_quant(x2, layer.input_scale_reciprocal,
+                               layer.input_offset_cast)
         y = quant.quant_matmul(q,
                                layer.weight,
                                layer.deq_scale,

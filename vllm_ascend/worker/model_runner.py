@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.distributed.parallel_state import graph_capture
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -23,6 +24,7 @@ from vllm_ascend.compilation import stream_budget
 from vllm_ascend.compilation.graph_mode import budget_of
 from vllm_ascend.compilation.graph_wrapper import graph_stats
 from vllm_ascend.distributed import moe_comm
+from vllm_ascend.ops import weight_format
 from vllm_ascend.sample import AscendRejectionSampler
 from vllm_ascend.spec_decode.mtp_proposer import make_proposer
 from vllm_ascend.worker.streams import cpu_streams, use_npu_streams
@@ -88,6 +90,11 @@ class NpuModelRunner(AscendModelRunner):
     """On the NPU: its streams, its synchronization and its graphs (vLLM
     captures them with the platform's wrapper, patch 0012)."""
 
+    def __init__(self, vllm_config: VllmConfig, torch_device: torch.device):
+        # Before the weights load: they are cast to NZ (ops.weight_format).
+        weight_format.allow_internal_formats()
+        super().__init__(vllm_config, torch_device)
+
     def device_streams(self) -> contextlib.AbstractContextManager:
         use_npu_streams()
         return contextlib.nullcontext()
@@ -112,7 +119,11 @@ class NpuModelRunner(AscendModelRunner):
         capture_draft = getattr(getattr(self, "drafter", None),
                                 "capture_graphs", None)
         if capture_draft is not None:
-            graph_bytes += capture_draft()
+            # As vLLM's captures: on a side stream (NPU graphs cannot be
+            # captured on the default one) that first waits for the work
+            # queued on the current stream.
+            with graph_capture(device=self.device):
+                graph_bytes += capture_draft()
         graph_stats.capture_seconds = time.perf_counter() - start
         graphs = sum(graph_stats.captured.values())
         spec = self.vllm_config.speculative_config

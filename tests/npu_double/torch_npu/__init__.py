@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import npu as _npu_module
+from ._formats import get_npu_format, npu_format_cast  # noqa: F401
 from ._hccl import HcclContractGroup
 
 # isort: off

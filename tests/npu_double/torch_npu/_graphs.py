@@ -127,6 +127,12 @@ class NPUGraph(graph_emulator.EmulatedGraph):
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global"
                       ) -> None:
+        # torch_npu NPUGraph::capture_begin, as CUDAGraph's: "NPU graphs
+        # must be captured on a non-default stream".
+        if npu._current_stream in (None, npu._default_stream):
+            raise RuntimeError(
+                "NPU graphs must be captured on a non-default stream "
+                "(capture inside torch.npu.stream(<a torch.npu.Stream>))")
         _free_for_graphs()
         super().capture_begin(pool, capture_error_mode)
         self._pool = _pools.setdefault(pool if pool is not None else id(self),

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils._device as torch_device_utils
 from torch.utils._pytree import tree_flatten
 
-from . import _emulator
+from . import _emulator, _formats
 from . import npu as _npu
 from ._trace import record, traced
 
@@ -623,6 +623,13 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
           "split_item 2 or 3")
     a, w = x[0], weight[0]
     check(a.dim() == 2, op, "x must be 2-D with split_item 2/3")
+    # Formats: the 7.2.0 doc names none; vllm-ascend v0.11.0 passes x ND
+    # and int8 weights cast to NZ from contiguous [E, K, N]
+    # (w8a8_dynamic.py:268-274), the only NZ weight the double takes.
+    _formats.check_nd(a, op, "x")
+    if w.dtype != torch.int8:
+        _formats.check_nd(w, op, "a float weight")
+    _formats.check_nz_weight(w, op, "weight")
     check(a.is_contiguous(), op, "x does not support transposition")
     quantized = a.dtype == torch.int8
     if quantized:
@@ -770,6 +777,12 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
     _kernel()
     check(x1.dtype == torch.int8 and x2.dtype == torch.int8, op,
           "x1 and x2 must be int8")
+    # Formats: x1, scale, offset, pertoken_scale, bias ND (:37,53-55); x2
+    # ND or cast to NZ from its contiguous (k, n) layout (:42,94-97,432).
+    for name, t in (("x1", x1), ("scale", scale), ("offset", offset),
+                    ("pertoken_scale", pertoken_scale), ("bias", bias)):
+        _formats.check_nd(t, op, name)
+    _formats.check_nz_weight(x2, op, "x2")
     check(x1.dim() == 2 and x2.dim() == 2 and x1.shape[1] == x2.shape[0],
           op, f"x1 [M, K] and x2 [K, N] do not match: {list(x1.shape)}, "
           f"{list(x2.shape)}")

@@ -16,6 +16,7 @@ defines it (``torch_npu/npu/streams.py``, ``torch_npu/npu/utils.py``).
 """
 
 import contextlib
+import gc
 import os
 import threading
 from collections import namedtuple
@@ -42,6 +43,7 @@ class _State:
         self.baseline_rss = 0
         self.peak = 0
         self.workspace = 0  # non-torch bytes charged so far
+        self.empty_cache_calls = 0
 
     @property
     def current_device(self) -> int:
@@ -185,7 +187,8 @@ def mem_get_info(device=None) -> tuple[int, int]:
 
 @traced("torch.npu.empty_cache")
 def empty_cache() -> None:
-    pass
+    """Counted: a capture that empties the cache for every piece shows."""
+    state.empty_cache_calls += 1
 
 
 @traced("torch.npu.reset_peak_memory_stats")
@@ -224,6 +227,7 @@ class Stream:
                             f"{sorted(kwargs)}")
         self.device_index = _index(device, "Stream", tensor_device=True)
         self.priority = priority
+        self.waited_on: list[Stream] = []
 
     def synchronize(self) -> None:
         pass
@@ -238,6 +242,9 @@ class Stream:
     def wait_stream(self, stream: "Stream") -> None:
         if not isinstance(stream, Stream):
             raise TypeError("Stream.wait_stream expects a torch.npu.Stream")
+        # Kernels are synchronous here; kept so tests can see the order
+        # work on this stream was made to follow.
+        self.waited_on.append(stream)
 
     def record_event(self, event: Optional["Event"] = None) -> "Event":
         event = event or Event()
@@ -327,8 +334,9 @@ def manual_seed(seed: int) -> None:
 # device's streams and pool memory (``_graphs``); each call site recorded.
 # isort: off
 from . import _emulator  # noqa: E402
-from ._emulator import graph  # noqa: E402,F401
 from . import _graphs  # noqa: E402
+# torch.npu.config (allow_internal_format) with the formats it governs.
+from ._formats import config  # noqa: E402,F401
 # isort: on
 
 
@@ -352,6 +360,41 @@ graph_task_update_begin = _recorded("torch.npu.graph_task_update_begin",
                                     _emulator.graph_task_update_begin)
 graph_task_update_end = _recorded("torch.npu.graph_task_update_end",
                                   _emulator.graph_task_update_end)
+
+
+class graph(_emulator.graph):
+    """``torch.npu.graph(npu_graph, pool=None, stream=None)``, entered as
+    torch_npu 2.8.0's ``torch_npu/npu/graphs.py`` (a copy of
+    ``torch.cuda.graph``) enters it: synchronize, ``gc.collect()``,
+    ``torch.npu.empty_cache()``, then capture on ``stream`` (by default one
+    capture stream, created at the first capture and shared)."""
+
+    default_capture_stream: Optional[Stream] = None
+
+    def __init__(self, npu_graph, pool=None, stream=None,
+                 capture_error_mode: str = "global") -> None:
+        record("torch.npu.graph")
+        super().__init__(npu_graph, pool, stream, capture_error_mode)
+        if stream is None:
+            if graph.default_capture_stream is None:
+                graph.default_capture_stream = Stream()
+            stream = graph.default_capture_stream
+        self._stream = stream
+        self._stream_ctx = None
+
+    def __enter__(self) -> None:
+        synchronize()
+        gc.collect()
+        empty_cache()
+        self._stream_ctx = _stream_context(self._stream)
+        self._stream_ctx.__enter__()
+        super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._stream_ctx.__exit__(*exc)
 
 
 class ExternalEvent(_emulator.ExternalEvent):
