@@ -109,8 +109,8 @@ def test_static_quant_launches_the_two_kernels_only(monkeypatch):
         launches = _launches(graph)
         graph.replay()
         replayed = out.clone()
-    # Before: 1/scale, its cast to bfloat16 and the offset's cast ran at
-    # every call, 5 launches.
+    # Before, every call also ran 1/scale (reciprocal, mul) and the casts
+    # of the reciprocal and the offset to bfloat16: 6 launches.
     assert launches == ["npu_quantize", "npu_quant_matmul"], launches
     assert torch.equal(replayed, eager)
     # The precomputed values are what the per-call code computed.
