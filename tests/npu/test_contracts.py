@@ -460,6 +460,119 @@ def test_grouped_matmul_int8(tnpu):
         tnpu.npu_grouped_matmul([x.t().contiguous().t()], [w], **gm)
 
 
+# --- formats (op-plugin 7.2.0 （beta）torch_npu-npu_format_cast.md,
+# npu-config-allow_internal_format.md, npu_quant_matmul.md:37-55,94-97) ---
+
+ND, NZ = 2, 29
+
+
+@pytest.fixture
+def internal_format(tnpu):
+    """allow_internal_format as the NPU runner sets it, reset after."""
+    from torch_npu._formats import config
+    config.allow_internal_format = True
+    yield config
+    config.reset()
+
+
+def test_format_cast_and_get_npu_format(tnpu, internal_format):
+    w = torch.randint(-128, 128, (40, 24), dtype=torch.int8)
+    assert tnpu.get_npu_format(w) == ND
+    assert tnpu.get_npu_format(torch.zeros(1, 2, 3, 4)) == 0  # NCHW (:58)
+    nz = tnpu.npu_format_cast(w, NZ)
+    assert nz is not w and torch.equal(nz, w)  # a new tensor (:14, :51)
+    assert tnpu.get_npu_format(nz) == NZ and tnpu.get_npu_format(w) == ND
+    assert tnpu.npu_format_cast(nz, NZ) is nz  # already NZ
+    # The format is the storage's: a Parameter given the data reports it.
+    param = torch.nn.Parameter(torch.empty(0, dtype=torch.int8),
+                               requires_grad=False)
+    param.data = nz
+    assert tnpu.get_npu_format(param) == NZ
+    back = tnpu.npu_format_cast(nz, ND)
+    assert tnpu.get_npu_format(back) == ND and torch.equal(back, w)
+    # NZ pads [rows, cols] to 16 x 32-byte fractals: int8 [40, 24] takes
+    # [48, 32] on the device.
+    from torch_npu._formats import storage_bytes
+    assert storage_bytes(w) == 40 * 24 and storage_bytes(nz) == 48 * 32
+    assert storage_bytes(tnpu.npu_format_cast(w.to(BF16), NZ)) == (
+        48 * 32 * 2)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        tnpu.npu_format_cast(w.t(), NZ)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        tnpu.npu_format_cast(w, 28)
+    with pytest.raises(TypeError, match="acl_format"):
+        tnpu.npu_format_cast(w, "NZ")
+
+
+def test_internal_format_needs_the_switch(tnpu, monkeypatch):
+    """allow_internal_format defaults to True on an Atlas A2 and False on
+    an A3 (:24-25); without it torch_npu makes the cast's result in the base
+    format and warns (unsafe_empty_with_format)."""
+    from torch_npu._formats import config
+    w = torch.ones(32, 32, dtype=torch.int8)
+    assert config.allow_internal_format is True  # SoC 220, an A2
+    monkeypatch.setenv("VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION", "250")
+    assert torch.npu.config.allow_internal_format is False
+    import torch_npu._formats as formats
+    monkeypatch.setattr(formats, "_warned", False)
+    with pytest.warns(UserWarning, match="base format"):
+        assert tnpu.get_npu_format(tnpu.npu_format_cast(w, NZ)) == ND
+    torch.npu.config.allow_internal_format = True
+    try:
+        assert tnpu.get_npu_format(tnpu.npu_format_cast(w, NZ)) == NZ
+    finally:
+        config.reset()
+
+
+def test_quant_matmul_takes_nz_x2_only(tnpu, internal_format):
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randint(-128, 128, (5, 64), generator=g, dtype=torch.int8)
+    x2 = torch.randint(-128, 128, (64, 48), generator=g, dtype=torch.int8)
+    scale = torch.rand(48, generator=g)
+    pertoken = torch.rand(5, generator=g)
+    kw = dict(pertoken_scale=pertoken, output_dtype=BF16)
+    nz = tnpu.npu_format_cast(x2, NZ)
+    assert torch.equal(tnpu.npu_quant_matmul(x1, nz, scale, **kw),
+                       tnpu.npu_quant_matmul(x1, x2, scale, **kw))
+    with pytest.raises(RuntimeError, match="x1 must be ND"):
+        tnpu.npu_quant_matmul(tnpu.npu_format_cast(x1, NZ), x2, scale, **kw)
+    with pytest.raises(RuntimeError, match="scale must be ND"):
+        tnpu.npu_quant_matmul(
+            x1, x2, tnpu.npu_format_cast(scale.view(6, 8), NZ).view(48),
+            **kw)
+    # An NZ x2 is the (k, n) tensor that was cast: not a transposed view
+    # of an NZ (n, k) one, nor a slice (:96-97, :432).
+    nz_nk = tnpu.npu_format_cast(x2.t().contiguous(), NZ)
+    with pytest.raises(RuntimeError, match="not a view"):
+        tnpu.npu_quant_matmul(x1, nz_nk.t(), scale, **kw)
+    with pytest.raises(RuntimeError, match="not a view"):
+        tnpu.npu_quant_matmul(x1, nz[:, :32], scale[:32],
+                              pertoken_scale=pertoken, output_dtype=BF16)
+
+
+def test_grouped_matmul_takes_int8_nz_weights(tnpu, internal_format):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-128, 128, (6, 32), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (2, 32, 16), generator=g, dtype=torch.int8)
+    gm = dict(scale=[torch.rand(2, 16, generator=g).to(BF16)],
+              per_token_scale=[torch.rand(6, generator=g)],
+              group_list=torch.tensor([2, 6]), split_item=2, group_type=0,
+              group_list_type=0, output_dtype=BF16)
+    nz = tnpu.npu_format_cast(w, NZ)
+    assert torch.equal(tnpu.npu_grouped_matmul([x], [nz], **gm)[0],
+                       tnpu.npu_grouped_matmul([x], [w], **gm)[0])
+    # vllm-ascend casts [E, K, N] contiguous; a transposed NZ [E, N, K]
+    # is a view of other fractals.
+    nz_t = tnpu.npu_format_cast(w.transpose(1, 2).contiguous(), NZ)
+    with pytest.raises(RuntimeError, match="not a view"):
+        tnpu.npu_grouped_matmul([x], [nz_t.transpose(1, 2)], **gm)
+    float_gm = dict(group_list=gm["group_list"], split_item=2, group_type=0)
+    xf = torch.randn(6, 32).to(BF16)
+    with pytest.raises(RuntimeError, match="float weight must be ND"):
+        tnpu.npu_grouped_matmul(
+            [xf], [tnpu.npu_format_cast(w.to(BF16), NZ)], **float_gm)
+
+
 def test_no_float64_on_the_device(tnpu):
     """The NPU runs no float64 kernels. Inside ``with torch.device(...)``
     of the double's NPU (how vLLM builds the model) a factory without a
