@@ -21,6 +21,7 @@ from tests.utils.checkpoints import write_random_glm45
 from tests.utils.engine import run_engines
 from tests.utils.npu import NPU_ENV
 from tests.utils.quantized_checkpoints import FIXTURE, quantize
+from vllm_ascend.ops.weight_format import ACL_FORMAT_FRACTAL_NZ as NZ
 
 MAX_NEW = 20
 VOCAB = json.loads((FIXTURE / "config.json").read_text())["vocab_size"]
@@ -272,6 +273,12 @@ def test_npu_mtp_outputs_equal_no_mtp(npu_runs, k):
     assert metrics["vllm:num_preemptions"] > 0, metrics
     assert got["inspect"]["param_sums"][
         "model.layers.1.mlp.experts.w13_weight"][2] == "torch.int8"
+    # Every int8 weight (linear and experts, target and MTP layer) is read
+    # in the NPU's FRACTAL_NZ format (ND: 2).
+    formats = got["inspect"]["int8_formats"]
+    assert "model.layers.1.mlp.experts.w13_weight" in formats
+    assert "model.layers.0.self_attn.qkv_proj.weight" in formats
+    assert set(formats.values()) == {NZ}, formats
 
 
 # --- anti-outlier (m4) norm biases -----------------------------------------

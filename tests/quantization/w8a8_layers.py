@@ -11,6 +11,8 @@ from vllm.model_executor.layers.fused_moe.config import (
 
 from tests.utils.npu import torch_npu_in_process
 from vllm_ascend.ops import quant, weight_format
+from vllm_ascend.ops.moe import experts as moe_experts
+from vllm_ascend.ops.moe import fused_moe as moe_fused
 from vllm_ascend.quantization.fused_moe import AscendW8A8DynamicFusedMoEMethod
 from vllm_ascend.quantization.linear import (AscendW8A8DynamicLinearMethod,
                                              AscendW8A8LinearMethod)
@@ -89,6 +91,12 @@ NPU_FUNCTIONS = [
     (quant, "static_quant", quant._static_quant_npu),
     (quant, "quant_matmul", quant._quant_matmul_npu),
 ]
+# The experts' load-time layout for the NPU's kernels ([E, K, N]
+# contiguous, issue 28 S3-2), where the tree has it.
+EXPERT_LAYOUT = hasattr(moe_experts, "_expert_weight_layout_npu")
+if EXPERT_LAYOUT:
+    NPU_FUNCTIONS.append((moe_fused, "expert_weight_layout",
+                          moe_experts._expert_weight_layout_npu))
 
 
 @contextmanager

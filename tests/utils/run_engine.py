@@ -41,6 +41,7 @@ def inspect_runner(worker) -> dict:
         },
     }
     info["param_sums"] = param_sums(runner.model)
+    info["int8_formats"] = int8_formats(runner.model)
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
         info["draft_param_sums"] = param_sums(drafter.model)
@@ -66,6 +67,17 @@ def inspect_runner(worker) -> dict:
             drafter_class=type(drafter).__name__,
         )
     return info
+
+
+def int8_formats(model) -> dict:
+    """name -> the device format (an aclFormat) of each int8 parameter."""
+    import torch
+
+    from vllm_ascend.ops import weight_format
+    return {
+        name: weight_format.format_of(p)
+        for name, p in model.named_parameters() if p.dtype == torch.int8
+    }
 
 
 def param_sums(model) -> dict:
