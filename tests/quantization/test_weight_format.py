@@ -8,7 +8,7 @@ import torch
 from tests.quantization import w8a8_layers
 from tests.utils.npu import REAL_NPU, to_npu
 from vllm_ascend.ops import weight_format
-from vllm_ascend.ops.moe import quant_experts
+from vllm_ascend.ops.moe import experts
 
 pytestmark = [pytest.mark.npu, pytest.mark.usefixtures("dist_world")]
 
@@ -56,22 +56,32 @@ def test_expert_weights_are_nz(monkeypatch):
     reason="needs the experts pre-transposed to contiguous [E, K, N] "
     "(issue 28 S3-2): npu_grouped_matmul takes an NZ weight only as the "
     "contiguous tensor that was cast, not a transposed view")
-def test_expert_mlp_nz_equals_nd(monkeypatch):
+def test_expert_matmuls_nz_equal_nd(monkeypatch):
+    """Each expert weight, NZ as loaded, in the grouped matmul the expert
+    MLP launches: the ND weights' output, bit for bit."""
     g = torch.Generator().manual_seed(9)
-    rows = (torch.randn(12, 128, generator=g) * 2).to(torch.bfloat16)
     group_ends = torch.tensor([3, 3, 8, 12], dtype=torch.int64)
 
-    def mlp(layer):
-        return quant_experts.grouped_mlp_w8a8_npu(
-            to_npu(rows), to_npu(group_ends), layer.w13_weight,
-            layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale)
+    def matmuls(layer, torch_npu):
+        outs = []
+        for name, k in (("w13", 128), ("w2", 64)):
+            rows = (torch.randn(12, k, generator=g) * 2).to(torch.bfloat16)
+            q, s = torch_npu.npu_dynamic_quant(to_npu(rows))
+            outs.append(experts.grouped_matmul_npu(
+                q, getattr(layer, f"{name}_weight"), to_npu(group_ends),
+                scale=[getattr(layer, f"{name}_weight_scale")],
+                per_token_scale=[s], output_dtype=torch.bfloat16))
+        return outs
 
-    with w8a8_layers.npu_paths(monkeypatch):
+    with w8a8_layers.npu_paths(monkeypatch) as torch_npu:
         with monkeypatch.context() as m:
             m.setattr(weight_format, "to_nz", weight_format.to_nz_ref)
-            want = mlp(w8a8_layers.experts()[0])
-        got = mlp(w8a8_layers.experts()[0])
-    assert torch.equal(got.cpu(), want.cpu())
+            g.manual_seed(9)
+            want = matmuls(w8a8_layers.experts()[0], torch_npu)
+        g.manual_seed(9)
+        got = matmuls(w8a8_layers.experts()[0], torch_npu)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b.cpu())
 
 
 @pytest.mark.skipif(REAL_NPU, reason="the SoC of the double")
