@@ -26,6 +26,8 @@ from vllm_ascend.attention.metadata import (AscendAttentionMetadata,
 from vllm_ascend.attention.paged_attention import get_paged_attention_ops
 
 PAD_SLOT_ID = -1
+# The dtype of the slot mapping the KV writes take (int32 on the NPU).
+SLOT_MAPPING_DTYPE = torch.int32
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -76,10 +78,12 @@ class AscendAttentionMetadataBuilder(
         self.num_spec_tokens = (spec.num_speculative_tokens
                                 if spec is not None else 0)
         # A graph reads the slots of its KV writes from one buffer: the
-        # draft's slot mapping is a new tensor at every step.
+        # draft's slot mapping is a new tensor at every step. int32, the
+        # dtype the KV write kernel takes: the copy into it casts once per
+        # step, not once per layer (vllm-ascend keeps an int32 buffer too).
         self.slot_mapping = torch.full(
             (vllm_config.scheduler_config.max_num_batched_tokens, ),
-            PAD_SLOT_ID, dtype=torch.int64, device=device)
+            PAD_SLOT_ID, dtype=SLOT_MAPPING_DTYPE, device=device)
 
     def _persistent_slot_mapping(self, slot_mapping: torch.Tensor,
                                  num_tokens: int) -> torch.Tensor:
