@@ -444,6 +444,10 @@ def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
     check(r1.shape == r2.shape, op, "r1 and r2 must have the same shape")
     b, s, n, d = self.shape
     check(d % 2 == 0 and d < 896, op, f"D={d} must be even and < 896")
+    # half mode: "B, N < 1000" (7.2.0 docs/context/torch_npu-npu_rotary_mul
+    # .md:85); the plugin stacks query and key heads along N.
+    check(rotary_mode != "half" or (b < 1000 and n < 1000), op,
+          f"half mode needs B, N < 1000, got B={b}, N={n}")
     allowed = [(1, s, 1, d), (b, s, 1, d), (b, s, n, d)]
     if rotary_mode == "interleave":
         allowed = [(1, s, 1, d)]
