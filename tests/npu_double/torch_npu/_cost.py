@@ -37,7 +37,8 @@ import os
 import sys
 import threading
 from collections import Counter
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,6 +92,7 @@ def call_site() -> str:
 class Sync:
     kind: str  # "tolist", "item", "nonzero", "synchronize", ...
     site: str
+    tag: Optional[str] = None  # the meter's tag then (e.g. a draft step)
 
 
 @dataclasses.dataclass
@@ -195,13 +197,32 @@ def _mc2_bytes(name: str, args, kwargs) -> tuple[str, int, str, int]:
             str(expand_x.dtype).replace("torch.", ""), copies)
 
 
-class CostMeter(TorchDispatchMode):
+class _MeterMode(TorchDispatchMode):
+    """The meter's view of the dispatcher."""
+
+    def __init__(self, meter: "CostMeter") -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "vllm":
+            # vLLM's Python custom ops (attention, MoE): what runs inside
+            # is counted, as a device graph holds it.
+            with self:
+                return func.redispatch(_emulator._CPU_KEYS, *args, **kwargs)
+        result = func(*args, **kwargs)
+        self.meter.dispatched(func, args, kwargs, result)
+        return result
+
+
+class CostMeter:
     """Counts kernels, host syncs and exchange bytes per scope (module
     docstring). ``with meter:`` turns it on; ``meter.scope(label)`` names
     what runs inside; ``meter.costs`` holds the result."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._mode = _MeterMode(self)
         self.costs: dict[str, ScopeCost] = {}
         self._scopes: list[tuple[str, bool]] = []
         self._device: set[int] = set()
@@ -212,6 +233,8 @@ class CostMeter(TorchDispatchMode):
         self._restore: list[tuple[Any, str, Any]] = []
         self._active = False
         self._seen_graphs: set[int] = set()
+        # A label the caller sets, stored with each sync (e.g. "draft2").
+        self.tag: Optional[str] = None
 
     # -- the caller's API -------------------------------------------------
     def on_device(self, *tensors: torch.Tensor) -> None:
@@ -284,29 +307,22 @@ class CostMeter(TorchDispatchMode):
             self._host_copy.discard(key)
 
     def _sync(self, kind: str) -> None:
-        self._cost().syncs.append(Sync(kind, call_site()))
+        self._cost().syncs.append(Sync(kind, call_site(), self.tag))
 
     # -- kernels and syncs from the dispatcher ----------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "vllm":
-            # vLLM's Python custom ops (attention, MoE): what runs inside
-            # is counted, as a device graph holds it.
-            with self:
-                return func.redispatch(_emulator._CPU_KEYS, *args, **kwargs)
-        result = func(*args, **kwargs)
-        if not self._counting:
-            return result
+    def dispatched(self, func, args, kwargs, result) -> None:
+        if not self._counting or self._reading:
+            return  # inside a host read: what it makes is a host copy
         inputs = _tensors((args, kwargs))
         outputs = _tensors(result)
         device = self._in_device_scope() or any(
             self.is_device(t) for t in inputs)
         if not device:
-            return result
+            return
         if func is aten._local_scalar_dense.default:
             if not self._reading and not self._host_copy_valid(inputs[0]):
                 self._sync("item")
-            return result
+            return
         if (func in _emulator._DATA_DEPENDENT_OPS
                 or _emulator._has_bool_index(func, args)):
             self._sync(func.overloadpacket.__name__)
@@ -318,7 +334,7 @@ class CostMeter(TorchDispatchMode):
             and a.alias_info.is_write
         ]
         self._wrote(written)
-        return result
+        return
 
     def _host_copy_valid(self, t: torch.Tensor) -> bool:
         return _key(t) in self._host_copy
@@ -339,19 +355,12 @@ class CostMeter(TorchDispatchMode):
         return result
 
     def replay(self, graph, run: Callable) -> None:
-        """A graph replay: its recorded nodes, by the same rules."""
+        """A graph replay: its recorded nodes, by the same rules. A vLLM
+        custom op the emulator recorded as one call (the MoE layer's) is
+        Python around kernels, which a device graph holds one by one: what
+        runs inside it is counted."""
         if not self._counting:
             return run()
-        cost = self._cost()
-        for node in graph._nodes:
-            if not isinstance(node, _emulator._Node) or node.kind == "alias":
-                continue
-            inputs = _tensors((node.args, node.kwargs))
-            if isinstance(node.func, torch._ops.OpOverload):
-                if launches(node.func, inputs, node.outputs):
-                    cost.kernels[_kernel_name(node.func, node.args)] += 1
-            elif not _runtime_call(node.func):
-                self._counted_kernel(node.func, node.args, node.kwargs)
         if id(graph) not in self._seen_graphs:
             self._seen_graphs.add(id(graph))
             for node in graph._nodes:
@@ -359,12 +368,25 @@ class CostMeter(TorchDispatchMode):
                     self._device.update(
                         _key(t) for t in _tensors((node.args, node.kwargs,
                                                    node.outputs)))
-        self._kernel_depth += 1
-        try:
-            return run()
-        finally:
-            self._kernel_depth -= 1
-            self._host_copy.clear()
+        cost = self._cost()
+        with torch.no_grad():
+            for node in graph._nodes:
+                func = getattr(node, "func", None)
+                if (isinstance(func, torch._ops.OpOverload)
+                        and func.namespace == "vllm"):
+                    node.run()  # through the meter's mode: counted inside
+                    continue
+                if isinstance(node, _emulator._Node) and node.kind != "alias":
+                    if isinstance(func, torch._ops.OpOverload):
+                        inputs = _tensors((node.args, node.kwargs))
+                        if launches(func, inputs, node.outputs):
+                            cost.kernels[_kernel_name(func, node.args)] += 1
+                    elif not _runtime_call(func):
+                        self._counted_kernel(func, node.args, node.kwargs)
+                with self.paused():
+                    node.run()
+        graph.num_replays += 1
+        self._host_copy.clear()
 
     def _counted_kernel(self, fn, args, kwargs) -> None:
         cost = self._cost()
@@ -437,7 +459,8 @@ class CostMeter(TorchDispatchMode):
             raise RuntimeError("a CostMeter is already active")
         _emulator.observer = self
         self._active = True
-        return super().__enter__()
+        self._mode.__enter__()
+        return self
 
     def __exit__(self, *exc):
         self._active = False
@@ -445,4 +468,4 @@ class CostMeter(TorchDispatchMode):
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore = []
-        return super().__exit__(*exc)
+        self._mode.__exit__(*exc)
