@@ -147,12 +147,10 @@ class StepProbe:
                 self._hook_layers(drafter.model, "draft")
 
     def _scoped(self, label: str, device: bool = False, timed: bool = False,
-                on_enter: Optional[Callable] = None):
+                on_exit: Optional[Callable] = None):
         meter = self.meter
 
         def before():
-            if on_enter:
-                on_enter()
             scope = meter.scope(label, device=device) if self.metering \
                 else None
             if scope is not None:
@@ -165,6 +163,8 @@ class StepProbe:
                 self.forward_s += time.perf_counter() - start
             if scope is not None:
                 scope.__exit__(None, None, None)
+            if on_exit:
+                on_exit()
 
         return before, after
 
@@ -174,7 +174,7 @@ class StepProbe:
         if drafter is not None:
             _wrap_call(drafter.model, *self._scoped(
                 "draft_forward", device=True, timed=True,
-                on_enter=self._next_draft))
+                on_exit=self._next_draft))
         for name, label in (("_sample", "sample"),
                             ("propose_draft_token_ids", "draft"),
                             ("take_draft_token_ids", "output_read")):
@@ -207,8 +207,9 @@ class StepProbe:
         setattr(runner, name, method)
 
     def _next_draft(self) -> None:
+        """After draft forward i, the host work is draft step i + 1's."""
         self.draft_index += 1
-        self.meter.tag = f"draft{self.draft_index}"
+        self.meter.tag = f"draft{self.draft_index + 1}"
 
     def _step(self, original, *args, **kwargs):
         start = time.perf_counter()

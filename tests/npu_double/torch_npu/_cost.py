@@ -318,6 +318,10 @@ class CostMeter:
         device = self._in_device_scope() or any(
             self.is_device(t) for t in inputs)
         if not device:
+            # Host work: what it allocates is host memory (an address a
+            # freed device tensor had is not a device tensor now).
+            for t in outputs:
+                self._device.discard(_key(t))
             return
         if func is aten._local_scalar_dense.default:
             if not self._reading and not self._host_copy_valid(inputs[0]):
@@ -349,7 +353,8 @@ class CostMeter:
             result = run()
         finally:
             self._kernel_depth -= 1
-        if not _runtime_call(fn):
+        if not _runtime_call(fn) and not getattr(self._local, "aten_only",
+                                                 False):
             self._counted_kernel(fn, args, kwargs)
             self._wrote(_tensors(result))
         return result
@@ -374,7 +379,7 @@ class CostMeter:
                 func = getattr(node, "func", None)
                 if (isinstance(func, torch._ops.OpOverload)
                         and func.namespace == "vllm"):
-                    node.run()  # through the meter's mode: counted inside
+                    self._run_custom_op(node)
                     continue
                 if isinstance(node, _emulator._Node) and node.kind != "alias":
                     if isinstance(func, torch._ops.OpOverload):
@@ -387,6 +392,21 @@ class CostMeter:
                     node.run()
         graph.num_replays += 1
         self._host_copy.clear()
+
+    def _run_custom_op(self, node) -> None:
+        """A vLLM custom op node: its aten ops counted through the meter's
+        mode; its kernels are not (the capture recorded each as a node of
+        its own, counted there), nor the emulator's copy of its outputs
+        into the captured ones."""
+        self._local.aten_only = True
+        try:
+            result = node.func(*node.args, **node.kwargs)
+        finally:
+            self._local.aten_only = False
+        with self.paused():
+            for captured, new in zip(node.outputs, _tensors(result)):
+                if new.data_ptr() != captured.data_ptr():
+                    captured.copy_(new)
 
     def _counted_kernel(self, fn, args, kwargs) -> None:
         cost = self._cost()
