@@ -112,3 +112,29 @@ def test_inactive_meter_changes_nothing(tnpu, meter):
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist
     torch.testing.assert_close(tnpu.npu_rms_norm(x, w)[0],
                                tnpu.npu_rms_norm(x, w)[0])
+
+
+def test_report_smoke(tmp_path):
+    """One MTP k=1 engine through the double, default graph mode: the
+    verify step's forward is a replay whose kernels are counted the same in
+    every metered step, with no host sync inside; the output read is named;
+    the W8A8 weights' formats are reported."""
+    from tools.bench import step_cost
+    shape = dict(step_cost.MODEL_SHAPE, num_hidden_layers=2,
+                 hidden_size=64, intermediate_size=128)
+    model = step_cost.write_checkpoint(tmp_path / "w8a8", shape)
+    spec = {"engine": step_cost._engine(model), "k": 1, "per_layer": False,
+            "prompts": step_cost.PROMPTS[:2], "new_tokens": 7}
+    got = step_cost.run_child(step_cost.ROOT, spec, 300, tmp_path / "log")
+    steps = got["metered_steps"]
+    assert len(steps) == len(step_cost.METERED_STEPS)
+    forward = [s["forward"]["kernels"] for s in steps]
+    assert forward[0] > 0 and len(set(forward)) == 1, forward
+    assert all(not s["forward"]["syncs"] for s in steps)
+    assert all(s["draft_forward"]["calls"] == 1 for s in steps)
+    read = [x["site"] for s in steps for x in s["runner"]["syncs"]]
+    assert read and all(site.startswith(("vllm/", "vllm_ascend/"))
+                        for site in read), read
+    int8 = got["weights"]["target"]["int8"]
+    assert sum(e["count"] for e in int8.values()) > 0
+    assert got["host_s_per_step"] > 0

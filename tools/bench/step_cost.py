@@ -542,6 +542,7 @@ def summarize(runs: dict[str, Any], ks: list[int]) -> dict[str, Any]:
     for k in ks:
         mtp = figures.get(f"cost.k{k}.host_ms_per_step")
         if base and mtp is not None:
+            figures[f"cost.k{k}.host_mtp_over_no_mtp"] = mtp / base
             figures[f"cost.k{k}.host_added_over_no_mtp"] = (mtp - base) / base
     weights = runs["k0.graph"]["weights"]["target"]
     int8 = weights["int8"]

@@ -37,8 +37,8 @@ import os
 import sys
 import threading
 from collections import Counter
-from typing import Any, Callable, Optional
 from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
