@@ -131,7 +131,9 @@ class StepProbe:
             for t in list(model.parameters()) + list(model.buffers()):
                 self.meter.on_device(t)
         for owner in (runner, runner.input_batch, drafter):
-            for name, value in vars(owner or object()).items():
+            if owner is None:
+                continue
+            for name, value in vars(owner).items():
                 gpu = getattr(value, "gpu", None)
                 if isinstance(gpu, torch.Tensor):
                     self.meter.on_device(gpu)
@@ -464,7 +466,10 @@ def measure(tree: Path, model: Path, bytes_model: Optional[Path],
     (per-layer) run; per method, a DP pair."""
     runs: dict[str, Any] = {}
     for k in [0] + ks:
-        for mode in ("graph", "eager"):
+        # Per-layer kernels from eager runs without MTP and with the first
+        # k (the layers do not change with k).
+        for mode in ("graph", "eager") if k in ([0] + ks)[:2] else (
+                "graph", ):
             engine = _engine(model)
             if mode == "eager":
                 engine.update(enforce_eager=True,
@@ -506,7 +511,8 @@ def summarize(runs: dict[str, Any], ks: list[int]) -> dict[str, Any]:
     details: dict[str, Any] = {"sync_sites": {}, "weights": {},
                                "exchanges": {}}
     for k in [0] + ks:
-        graph, eager = runs[f"k{k}.graph"], runs[f"k{k}.eager"]
+        graph = runs[f"k{k}.graph"]
+        eager = runs.get(f"k{k}.eager") or {"metered_steps": []}
         tag = f"k{k}"
         steps = graph["metered_steps"]
         if steps:
