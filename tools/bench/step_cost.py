@@ -401,7 +401,6 @@ def run_bytes(tree: Path, model: Path, method: str, timeout: int,
               log: Path) -> dict[str, Any]:
     """Two DP ranks with expert parallelism on an emulated Atlas A3, the
     MoE method forced, eager; the meter on every decode step."""
-    from tests.utils.dp_engine import run_dp_engine  # noqa: F401
     spec = {"engine": dict(_engine(model), enforce_eager=True,
                            enable_expert_parallel=True),
             "k": 0, "per_layer": False, "prompts": PROMPTS[:2],
@@ -415,7 +414,7 @@ def _run_dp(tree: Path, spec: dict[str, Any], method: str, timeout: int,
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs, files = [], []
+    procs, files, streams = [], [], []
     for rank in range(2):
         rank_spec = dict(spec, prompts=[spec["prompts"][rank]])
         with tempfile.NamedTemporaryFile("w", suffix=".json",
@@ -427,20 +426,35 @@ def _run_dp(tree: Path, spec: dict[str, Any], method: str, timeout: int,
             "VLLM_DP_SIZE": "2", "VLLM_DP_MASTER_IP": "127.0.0.1",
             "VLLM_DP_MASTER_PORT": str(port),
             "VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION": "250",
-            "VLLM_ASCEND_MOE_COMM": method,
-            "ASCEND_RT_VISIBLE_DEVICES": str(rank)})
+            "VLLM_ASCEND_MOE_COMM": method})
+        out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        streams.append((out, err))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tools.bench.step_cost", "--child",
-             f.name], cwd=tree, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True))
+             f.name], cwd=tree, env=env, stdout=out, stderr=err,
+            start_new_session=True))
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if (any(p.poll() not in (None, 0) for p in procs)
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(0.5)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
+                p.wait()
         for name in files:
             os.unlink(name)
+    outs = []
+    for out, err in streams:
+        out.seek(0)
+        err.seek(0)
+        outs.append((out.read(), err.read()))
+        out.close()
+        err.close()
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("\n\n".join(o + "\n--- stderr ---\n" + e
                                for o, e in outs))
