@@ -679,6 +679,8 @@ def _worktree(ref: str, tmp: Path) -> Path:
     for link in (".venv", "vllm"):
         if (ROOT / link).exists() and not (path / link).exists():
             (path / link).symlink_to((ROOT / link).resolve())
+    # Both columns are measured by this harness.
+    shutil.copy(Path(__file__), path / "tools" / "bench" / "step_cost.py")
     if not (path / DOUBLE / "_cost.py").is_file():
         # An older tree: this checkout's meter and the emulator hook it
         # needs (the double's ops stay the tree's own).
