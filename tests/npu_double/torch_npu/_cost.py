@@ -41,7 +41,8 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode,
+                                          _disable_current_modes)
 from torch.utils._pytree import tree_flatten
 
 from . import _emulator
@@ -350,7 +351,10 @@ class CostMeter:
             return run()
         self._kernel_depth += 1
         try:
-            result = run()
+            # Nothing inside is counted; a collective's gloo thread must not
+            # meet this thread's dispatch mode.
+            with _disable_current_modes():
+                result = run()
         finally:
             self._kernel_depth -= 1
         if not _runtime_call(fn) and not getattr(self._local, "aten_only",
