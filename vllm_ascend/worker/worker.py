@@ -97,6 +97,7 @@ class NpuWorker(AscendWorker):
         330-341). The op is the ATB kernel every step runs first
         (ReshapeAndCache), on a one-slot cache."""
         import torch_npu
+
         # One token, one head of 128, into one block of 128 slots: the
         # shapes the attention runs (bfloat16, head dim and block size 128).
         key = torch.zeros((1, 1, 128), dtype=torch.bfloat16,

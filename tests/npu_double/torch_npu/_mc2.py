@@ -7,8 +7,8 @@ op's C++ (``op_plugin/ops/opapi/MoeDistributeDispatchV2KernelOpApi.cpp``,
 ``CPP:``), for the SoC ``torch.npu.get_soc_version()`` reports (A2 by
 default, ``VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION``), with the ``""``/
 ``fullmesh`` algorithm. What the double does not implement (dispatch
-``scales``, int4-packed x, shared-expert ranks, the special experts, a TP domain, the
-hierarchy algorithm) raises NotImplementedError.
+``scales``, int4-packed x, shared-expert ranks, the special experts, a TP
+domain, the hierarchy algorithm) raises NotImplementedError.
 
 The exchange runs over the gloo group behind the HCCL communicator name
 (``get_hccl_comm_name``). Expert ``e`` lives on rank ``e // local_E``.

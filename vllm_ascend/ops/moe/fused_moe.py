@@ -17,8 +17,8 @@ from vllm.model_executor.layers.fused_moe.layer import (
 
 from vllm_ascend.distributed import moe_comm
 from vllm_ascend.distributed.moe_comm.base import GroupedMLP
-from vllm_ascend.ops.moe.experts import (expert_weight_layout,
-                                         grouped_mlp_npu, moe_experts)
+from vllm_ascend.ops.moe.experts import (expert_weight_layout, grouped_mlp_npu,
+                                         moe_experts)
 from vllm_ascend.ops.moe.routing import select_experts
 
 
