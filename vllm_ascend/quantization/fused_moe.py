@@ -140,14 +140,11 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
                 activation=activation)
 
         def grouped(rows, group_ends, row_scales):
-            return grouped_mlp_w8a8_npu(rows,
-                                        group_ends,
-                                        layer.w13_weight,
-                                        layer.w2_weight,
+            # The MC2 dispatch hands over int8 rows (takes_int8).
+            return grouped_mlp_w8a8_npu(rows, row_scales, group_ends,
+                                        layer.w13_weight, layer.w2_weight,
                                         layer.w13_weight_scale,
-                                        layer.w2_weight_scale,
-                                        row_scales,
-                                        out_dtype=x.dtype)
+                                        layer.w2_weight_scale, x.dtype)
 
         return moe_comm.current(x.shape[0]).experts(
             layer, x, topk_weights, topk_ids, expert_map, compute,

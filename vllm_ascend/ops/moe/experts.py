@@ -1,9 +1,11 @@
 """The routed experts: y[t] = sum_k w[t,k] * W2_e (silu(G_e x) * U_e x).
 
 ``w13`` is [E_local, 2I, H] (gate rows, then up rows), ``w2`` is
-[E_local, H, I]. ``topk_ids`` are global expert ids; with expert
-parallelism ``expert_map`` maps a global id to a local one, -1 when another
-rank holds the expert, and this rank adds nothing for it.
+[E_local, H, I], as loaded; on the NPU both are transposed once, after
+loading, to the [E, K, N] the grouped matmul reads (``expert_weight_layout``).
+``topk_ids`` are global expert ids; with expert parallelism ``expert_map``
+maps a global id to a local one, -1 when another rank holds the expert, and
+this rank adds nothing for it.
 """
 
 from dataclasses import dataclass

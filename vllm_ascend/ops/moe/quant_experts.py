@@ -1,5 +1,6 @@
 """W8A8_DYNAMIC routed experts: int8 weights with per-channel scales,
-activations quantized per token before each grouped matmul.
+activations quantized per token before each grouped matmul (on the NPU the
+first quantization runs inside the routing kernel or the MC2 dispatch).
 
 ``w13`` is int8 [E_local, 2I, H], ``w2`` int8 [E_local, H, I] (the float
 layout of ``experts``), ``w13_scale`` [E_local, 2I], ``w2_scale``
@@ -109,30 +110,21 @@ def _moe_experts_w8a8_npu(
                                     activation=activation)
     routed = npu_permute(x, topk_ids, expert_map, w13.shape[0],
                          quantize=True)
-    y = grouped_mlp_w8a8_npu(routed.rows, routed.group_ends, w13, w2,
-                             w13_scale, w2_scale, routed.row_scales,
-                             out_dtype=x.dtype)
+    y = grouped_mlp_w8a8_npu(routed.rows, routed.row_scales,
+                             routed.group_ends, w13, w2, w13_scale,
+                             w2_scale, x.dtype)
     return npu_unpermute(y, routed, topk_weights)
 
 
-def grouped_mlp_w8a8_npu(rows: torch.Tensor,
-                         group_ends: torch.Tensor,
-                         w13: torch.Tensor,
-                         w2: torch.Tensor,
-                         w13_scale: torch.Tensor,
+def grouped_mlp_w8a8_npu(rows: torch.Tensor, row_scales: torch.Tensor,
+                         group_ends: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, w13_scale: torch.Tensor,
                          w2_scale: torch.Tensor,
-                         row_scales: Optional[torch.Tensor] = None,
-                         out_dtype: Optional[torch.dtype] = None
-                         ) -> torch.Tensor:
-    """``experts.grouped_mlp_npu`` with int8 weights. Rows come quantized
-    (int8 with per-row ``row_scales``: from the routing or the MC2
-    dispatch) or float, quantized here per token; the output is in
-    ``out_dtype`` (the float rows' dtype by default)."""
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``experts.grouped_mlp_npu`` with int8 weights, on rows that come
+    quantized (int8 with float32 per-row ``row_scales``: from the routing
+    kernel or the MC2 dispatch); the output in ``out_dtype``."""
     import torch_npu
-    if row_scales is None:
-        out_dtype = out_dtype or rows.dtype
-        rows, row_scales = torch_npu.npu_dynamic_quant(rows)
-    assert out_dtype is not None, "int8 rows need the output dtype"
     gate_up = grouped_matmul_npu(rows, w13, group_ends, scale=[w13_scale],
                                  per_token_scale=[row_scales],
                                  output_dtype=out_dtype)
