@@ -171,7 +171,9 @@ class Routed:
     # expert (init_routing_v2's gather index, row_idx_type=0).
     slot_rows: torch.Tensor
     group_ends: torch.Tensor  # int64 cumulative rows per local expert
-    local_slots: torch.Tensor  # bool [T, k]: the expert is on this rank
+    # bool [T, k]: the expert is on this rank; None without an expert map
+    # (every expert is).
+    local_slots: Optional[torch.Tensor]
     row_scales: Optional[torch.Tensor] = None  # float32 [T * k], int8 rows
 
 
@@ -186,10 +188,13 @@ def npu_permute(x: torch.Tensor,
     path does)."""
     import torch_npu
     num_tokens, top_k = topk_ids.shape
-    local = _local_ids(topk_ids, expert_map)
-    local_slots = local >= 0
-    local = torch.where(local_slots, local,
-                        torch.full_like(local, num_local)).to(torch.int32)
+    if expert_map is None:
+        local, local_slots = topk_ids.to(torch.int32), None
+    else:
+        local = _local_ids(topk_ids, expert_map)
+        local_slots = local >= 0
+        local = torch.where(local_slots, local,
+                            torch.full_like(local, num_local)).to(torch.int32)
     rows, slot_rows, counts, scales = torch_npu.npu_moe_init_routing_v2(
         x,
         local,
@@ -213,12 +218,17 @@ def npu_unpermute(y: torch.Tensor, routed: Routed,
     """out[t] = sum_j w[t, j] * y[row of slot (t, j)] in one fused kernel
     (npu_moe_token_unpermute, as vllm-ascend v0.11.0's combine).
 
-    A slot of another rank's expert has no row: it reads row 0 with weight
-    0. Row 0 holds this rank's first result, unless the rank has none, when
-    npu_grouped_matmul leaves it undefined (maybe Inf or NaN, which a zero
-    weight does not cancel): then it is zeroed first.
+    With expert parallelism a slot of another rank's expert has no row: it
+    reads row 0 with weight 0. Row 0 holds this rank's first result, unless
+    the rank has none, when npu_grouped_matmul leaves it undefined (maybe
+    Inf or NaN, which a zero weight does not cancel): then it is zeroed
+    first. Without, every slot has its row and the kernel takes them as
+    they are.
     """
     import torch_npu
+    if routed.local_slots is None:
+        return torch_npu.npu_moe_token_unpermute(
+            y, routed.slot_rows, probs=topk_weights.to(y.dtype))
     probs = torch.where(routed.local_slots, topk_weights,
                         0.0).to(y.dtype)
     y[:1].masked_fill_(routed.group_ends[-1:] == 0, 0.0)
