@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.utils.npu import to_npu, torch_npu_in_process
-from vllm_ascend.attention.backend import (AscendAttentionMetadata,
+from vllm_ascend.attention.backend import (SLOT_MAPPING_DTYPE,
+                                           AscendAttentionMetadata,
                                            AscendAttentionMetadataBuilder,
                                            classify_batch)
 from vllm_ascend.attention.paged_attention import (NpuPagedAttention,
@@ -35,7 +36,8 @@ def _metadata(q_lens, seq_lens, block_tables, slot_mapping):
         max_query_len=int(q_lens.max()), max_seq_len=int(seq.max()),
         query_start_loc=to_npu(qsl), query_start_loc_cpu=qsl,
         seq_lens=to_npu(seq), seq_lens_cpu=seq,
-        block_tables=to_npu(block_tables), slot_mapping=to_npu(slot_mapping),
+        block_tables=to_npu(block_tables),
+        slot_mapping=to_npu(slot_mapping.to(SLOT_MAPPING_DTYPE)),
         attn_state=classify_batch(q_lens, seq, int(q_lens.max())),
         seq_lens_list=seq.tolist(), query_ends=qsl[1:].tolist())
 
@@ -96,27 +98,64 @@ class _SyncTrap(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_builder_reads_host_lengths_without_a_device_sync():
+def _draft_common(seq_lens, seq_lens_cpu):
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
-    seq = torch.tensor([5, 9], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
-    common = CommonAttentionMetadata(
+    return CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl,
-        seq_lens=seq.clone().as_subclass(_SyncTrap), seq_lens_cpu=seq,
-        num_computed_tokens_cpu=seq - 2, num_reqs=2, num_actual_tokens=4,
-        max_query_len=2, max_seq_len=9,
+        seq_lens=seq_lens.as_subclass(_SyncTrap), seq_lens_cpu=seq_lens_cpu,
+        num_computed_tokens_cpu=seq_lens_cpu - 2, num_reqs=2,
+        num_actual_tokens=4, max_query_len=2,
+        max_seq_len=int(seq_lens_cpu.max()),
         block_table_tensor=torch.zeros(2, 4, dtype=torch.int32),
         slot_mapping=torch.zeros(4, dtype=torch.int64))
+
+
+def _builder():
     builder = AscendAttentionMetadataBuilder.__new__(
         AscendAttentionMetadataBuilder)
-    builder.num_spec_tokens = 1
-    builder.slot_mapping = torch.full((8, ), -1, dtype=torch.int64)
+    builder.num_spec_tokens = 3
+    builder.slot_mapping = torch.full((8, ), -1, dtype=torch.int32)
+    return builder
+
+
+def test_builder_reads_host_lengths_without_a_device_sync(monkeypatch):
+    """No draft step reads the device on the NPU path (S3-12): in draft
+    steps 2..k the host lengths are the host's upper bounds (patch 0008);
+    the CPU reference reads its (host) seq_lens, exact."""
+    from vllm_ascend.attention import backend
+    builder = _builder()
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    common = _draft_common(seq.clone(), seq)
     # The target step and the first draft step: exact host copies.
     assert builder.build(0, common).seq_lens_list == [5, 9]
     assert builder.build_for_drafting(common, 0).seq_lens_list == [5, 9]
-    # Draft steps 2..k: only the device lengths are exact (patch 0008).
-    common.seq_lens = torch.tensor([4, 8], dtype=torch.int32)
+    # Draft steps 2..k, k = 2 and 3: the device lengths (here 2 and 1
+    # drafts rejected) are below the host's bounds; a read of them would
+    # trip the trap.
+    monkeypatch.setattr(backend, "draft_host_seq_lens",
+                        backend._draft_seq_lens_known_on_host)
+    for step in (1, 2):
+        bound = seq + step
+        common = _draft_common(torch.tensor([4, 8]) + step, bound)
+        metadata = builder.build_for_drafting(common, step)
+        assert metadata.seq_lens_list == bound.tolist()
+        assert all(host >= exact for host, exact in zip(
+            metadata.seq_lens_list, (torch.tensor([4, 8]) + step).tolist()))
+    # The CPU reference (its seq_lens on the host): the exact lengths.
+    monkeypatch.setattr(backend, "draft_host_seq_lens",
+                        backend._draft_seq_lens_from_tensor)
+    common = _draft_common(torch.tensor([4, 8]), seq)
+    common.seq_lens = torch.tensor([4, 8])
     assert builder.build_for_drafting(common, 1).seq_lens_list == [4, 8]
+
+
+def test_the_npu_path_selects_host_bounds_for_drafts():
+    from vllm_ascend.attention import backend
+    from vllm_ascend.device import npu_kernels
+    want = (backend._draft_seq_lens_known_on_host
+            if npu_kernels() else backend._draft_seq_lens_from_tensor)
+    assert backend.draft_host_seq_lens is want
 
 
 def test_full_graph_tasks_share_one_workspace(npu_ops):
@@ -161,6 +200,68 @@ def test_full_graph_tasks_share_one_workspace(npu_ops):
     # An idle DP rank's replay: not updated, the captured workspace stays.
     graph_tasks.update_tasks(tasks, None)
     graph.replay()
+
+
+def test_attention_layers_share_one_mask(npu_ops):
+    """One 2048 x 2048 causal mask for every layer (S3-6), not one per
+    layer (93 x 4 MiB on GLM-4.5): the fused attention of every layer gets
+    the same storage."""
+    # What each attention layer holds on the NPU path (the process chose
+    # its ops at import: the NPU ones are built here as each layer would).
+    layers = [NpuPagedAttention() for _ in range(4)]
+    query = torch.zeros(2, HEADS, DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(2, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)
+    masks = [
+        layer._arguments(query, cache, cache,
+                             torch.zeros(1, 1, dtype=torch.int32), [2], [2],
+                             DIM**-0.5)["atten_mask"] for layer in layers
+    ]
+    assert masks[0].shape == (2048, 2048)
+    assert len({m.untyped_storage().data_ptr() for m in masks}) == 1
+    assert torch.equal(masks[0], torch.ones(2048, 2048).triu(1).bool())
+
+
+def test_kv_writes_take_the_int32_slots_without_a_cast(npu_ops):
+    """The builder keeps the slot mapping int32 (S3-7): a step's KV writes
+    are one kernel per layer, the slots cast once per step by the builder's
+    copy, not once per layer (before: a ``_to_copy`` per layer)."""
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS,
+                             head_size=DIM, dtype=torch.bfloat16)
+    builder = AscendAttentionMetadataBuilder(spec, ["a"], VllmConfig(),
+                                             torch.device("cpu"))
+    assert builder.slot_mapping.dtype == torch.int32
+    slots = torch.tensor([3, 130, -1, 7])
+    qsl = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32)
+    seq = torch.tensor([4, 131, 1, 8], dtype=torch.int32)
+    from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
+        seq_lens_cpu=seq, num_computed_tokens_cpu=seq - 1, num_reqs=4,
+        num_actual_tokens=4, max_query_len=1, max_seq_len=131,
+        block_table_tensor=torch.arange(8, dtype=torch.int32).view(4, 2),
+        slot_mapping=slots)
+    key = torch.randn(4, KV_HEADS, DIM).bfloat16()
+    caches = [torch.zeros(4, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)
+              for _ in range(6)]
+    metadata = builder.build(0, common)  # host work, once per step
+    assert metadata.slot_mapping.dtype == torch.int32
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        for layer in range(3):
+            npu_ops.write_kv_cache(key, key, caches[2 * layer],
+                                   caches[2 * layer + 1],
+                                   metadata.slot_mapping)
+    kernels = [getattr(n.func, "__name__", str(n.func))
+               for n in graph._nodes if getattr(n, "kind", "") != "alias"]
+    # One write per layer, nothing else (before: a cast per layer too).
+    assert kernels == ["_npu_reshape_and_cache"] * 3, kernels
+    graph.replay()
+    ref = torch.zeros_like(caches[0])
+    ReferencePagedAttention().write_kv_cache(key, key, ref, ref.clone(),
+                                             slots)
+    assert all(torch.equal(c, ref) for c in caches)
 
 
 def test_npu_refuses_float16_at_startup():

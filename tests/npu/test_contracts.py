@@ -264,6 +264,11 @@ def test_rotary_mul_contracts(tnpu):
                             cos.expand(1, 5, 4, 64)[:, :, :2])
     with pytest.raises(RuntimeError, match="D=63"):
         tnpu.npu_rotary_mul(x[..., :63], cos[..., :63], cos[..., :63])
+    # Query and key heads stacked along N (the plugin's one launch per
+    # layer) stay below the documented 1000.
+    wide = torch.randn(1, 5, 1000, 64)
+    with pytest.raises(RuntimeError, match="N < 1000"):
+        tnpu.npu_rotary_mul(wide, cos, cos)
 
 
 def test_gating_top_k_contracts(tnpu):

@@ -317,10 +317,13 @@ def test_admission_a2_hierarchical(monkeypatch):
 # The plugin's calls (FusedMC2Kernels.experts) on the double
 
 
-def _plugin_experts(monkeypatch, groups, family, experts, hidden):
+def _plugin_experts(monkeypatch, groups, family, experts, hidden,
+                    int8=False):
     """Each rank's ``FusedMC2Kernels.experts`` over all its tokens, with
-    the grouped MLP scaling local expert j's rows by its id + 1."""
+    the grouped MLP scaling local expert j's rows by its id + 1 (``int8``:
+    a W8A8 layer's, which takes int8 rows with their scales)."""
     from vllm_ascend.distributed.moe_comm import mc2_kernels
+    from vllm_ascend.distributed.moe_comm.base import GroupedMLP
     world = len(groups)
     ranks = threading.local()
     monkeypatch.setattr(mc2_kernels, "get_ep_group", lambda: SimpleNamespace(
@@ -333,7 +336,12 @@ def _plugin_experts(monkeypatch, groups, family, experts, hidden):
         x, ids, weights = _inputs(rank, experts, hidden)
         local = experts // world
 
-        def grouped(rows, ends):
+        def grouped(rows, ends, row_scales):
+            assert (row_scales is not None) == int8
+            assert rows.dtype == (torch.int8 if int8 else torch.bfloat16)
+            if int8:
+                rows = (rows.float() * row_scales.unsqueeze(1)).to(
+                    torch.bfloat16)
             out = rows.clone()
             start = 0
             for j, end in enumerate(ends.tolist()):
@@ -341,21 +349,23 @@ def _plugin_experts(monkeypatch, groups, family, experts, hidden):
                 start = end
             return out
         out = kernels.experts(x, slice(0, x.shape[0]), weights, ids.long(),
-                              experts, grouped)
-        return out, _expected(x, ids, weights)
+                              experts, GroupedMLP(grouped, takes_int8=int8))
+        half_step = x.float().abs().amax(-1) / 127 / 2
+        bound = (half_step * (weights * (ids.float() + 1)).sum(-1)).amax()
+        return out, _expected(x, ids, weights), float(bound)
     return _on_all(groups, run)
 
 
 def test_plugin_calls_a2(groups16, monkeypatch):
-    for out, expected in _plugin_experts(monkeypatch, groups16, "A2", E_A2,
-                                         H_A2):
+    for out, expected, _ in _plugin_experts(monkeypatch, groups16, "A2",
+                                            E_A2, H_A2):
         torch.testing.assert_close(out.float(), expected, rtol=2e-2,
                                    atol=2e-2)
 
 
 def test_plugin_calls_a3(groups, a3, monkeypatch):
-    for out, expected in _plugin_experts(monkeypatch, groups, "A3", E_A3,
-                                         H_A3):
+    for out, expected, _ in _plugin_experts(monkeypatch, groups, "A3",
+                                            E_A3, H_A3):
         torch.testing.assert_close(out.float(), expected, rtol=2e-2,
                                    atol=2e-2)
 
@@ -372,6 +382,7 @@ def test_plugin_arguments(groups, monkeypatch, family, hierarchical):
     import torch_npu
 
     from vllm_ascend.distributed.moe_comm import mc2_kernels
+    from vllm_ascend.distributed.moe_comm.base import GroupedMLP
     calls = {}
     scales_out = None if family == "A3" else torch.rand(6)
     tp_out = torch.zeros(1 if family == "A3" else 0, dtype=torch.int32)
@@ -396,7 +407,7 @@ def test_plugin_arguments(groups, monkeypatch, family, hierarchical):
     weights = torch.rand(3, K, dtype=torch.bfloat16)
     kernels.experts(torch.zeros(3, H_A2, dtype=torch.bfloat16), slice(0, 3),
                     weights, torch.zeros(3, K, dtype=torch.long), E_A2,
-                    lambda rows, ends: rows)
+                    GroupedMLP(lambda rows, ends, scales: rows))
     sent = calls["dispatch"]["expert_scales"]
     if hierarchical:
         assert sent.dtype == torch.float32
@@ -412,3 +423,98 @@ def test_plugin_arguments(groups, monkeypatch, family, hierarchical):
             assert not set(tp) & set(kw)
     assert calls["combine"]["tp_send_counts"] is (
         tp_out if family == "A3" else None)
+
+
+# int8 dispatch (quant_mode=2): W8A8 experts
+
+
+def _dispatched(monkeypatch):
+    """Wrap the double's dispatch: per call, what it hands this rank."""
+    import torch_npu
+    real = torch_npu.npu_moe_distribute_dispatch_v2
+    seen = []
+
+    def dispatch(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(dict(quant_mode=kwargs.get("quant_mode", 0),
+                         expand_x=out[0], dynamic_scales=out[1],
+                         rows=int(out[3][-1])))  # cumulative token counts
+        return out
+    monkeypatch.setattr(torch_npu, "npu_moe_distribute_dispatch_v2",
+                        dispatch)
+    return seen
+
+
+def _bytes_per_row(call) -> int:
+    """What one dispatched token row occupies: its hidden values, and its
+    scale when quantized."""
+    per_row = call["expand_x"].shape[1] * call["expand_x"].element_size()
+    if call["quant_mode"] == 2:
+        per_row += call["dynamic_scales"].element_size()
+    return per_row
+
+
+@pytest.mark.parametrize("family", ["A3", "A2"])
+def test_int8_dispatch_halves_the_bytes(family, groups, groups16, a3,
+                                        monkeypatch):
+    """A W8A8 layer's MC2 dispatch quantizes each token (quant_mode=2,
+    dispatch_v2.md:143): int8 rows with float32 per-token scales
+    (:167-168), about half the bytes of the bfloat16 rows a float layer
+    sends, and the same result within int8 rounding."""
+    if family == "A2":
+        monkeypatch.delenv(SOC_ENV)
+        groups, experts, hidden = groups16, E_A2, 1024
+    else:
+        experts, hidden = E_A3, H_A3
+    bytes_per_row = {}
+    for int8 in (False, True):
+        seen = _dispatched(monkeypatch)
+        for out, expected, bound in _plugin_experts(
+                monkeypatch, groups, family, experts, hidden, int8=int8):
+            # int8: each value within half a quantization step (max|x| /
+            # 127) of each row, times its weighted expert multipliers.
+            atol = (bound + 3e-2) if int8 else 3e-2
+            torch.testing.assert_close(out.float(), expected, rtol=3e-2,
+                                       atol=atol)
+        assert {c["quant_mode"] for c in seen} == {2 if int8 else 0}
+        for call in seen:
+            valid = call["expand_x"][:call["rows"]]
+            assert valid.dtype == (torch.int8 if int8 else torch.bfloat16)
+            if int8:
+                scales = call["dynamic_scales"]
+                assert scales.dtype == torch.float32
+                assert scales.shape == (call["expand_x"].shape[0], )
+        bytes_per_row[int8] = {_bytes_per_row(c) for c in seen}
+    (plain, ), (quantized, ) = bytes_per_row[False], bytes_per_row[True]
+    assert plain == 2 * hidden and quantized == hidden + 4
+    assert quantized <= 0.51 * plain
+
+
+def test_int8_dispatch_contract(groups, a3):
+    """dispatch_v2.md:40-50: q = int8(x * 127 / max|x|) per token,
+    dynamic_scales = max|x| / 127; quant_mode is 0 or 2 (:143), scales
+    only with 2 (:106)."""
+    def run(group, rank):
+        import torch_npu
+        x, ids, _ = _inputs(rank, E_A3, H_A3)
+        common = _arguments(group, rank, 2, E_A3, True)
+        expand_x, scales, _, counts, *_ = (
+            torch_npu.npu_moe_distribute_dispatch_v2(
+                x, ids, quant_mode=2, expert_token_nums_type=1, **common))
+        rows = int(counts.sum())
+        peak = expand_x[:rows].abs().amax(dim=1)
+        assert expand_x.dtype == torch.int8 and bool((peak == 127).all())
+        return expand_x[:rows].float() * scales[:rows].unsqueeze(1), x
+    got = on_both_ranks(groups, run)
+    # Every received row is some token of some rank, dequantized within
+    # half a step of int8.
+    tokens = torch.cat([x.float() for _, x in got])
+    for rows, _ in got:
+        nearest = (rows.unsqueeze(1) - tokens.unsqueeze(0)).abs().amax(-1)
+        step = tokens.abs().amax(-1) / 127
+        assert bool((nearest.min(dim=1).values
+                     <= step[nearest.argmin(dim=1)] * 0.51).all())
+    for change, match in [(dict(quant_mode=1), "quant_mode 1 must be"),
+                          (dict(scales=torch.ones(E_A3, H_A3)),
+                           "scales are for dynamic quantization")]:
+        _fails(_a3, groups[0], match, dispatch=change)

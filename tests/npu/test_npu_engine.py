@@ -213,12 +213,14 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
     if tp > 1:
         assert "hccl.allreduce" in trace
     # The methods that exchanged tokens: the forced one only; by default
-    # with EP, MC2 (and all-gather for batches above its capacity); without
-    # EP, all-gather across DP ranks; with one DP rank, none.
+    # with EP, MC2 (and for batches above its capacity all-to-all on an
+    # Atlas A3, all-gather on an A2); without EP, all-gather across DP
+    # ranks; with one DP rank, none.
     if method:
         required = allowed = {method}
     elif ep:
-        required, allowed = {"mc2"}, {"mc2", "allgather"}
+        required = {"mc2"}
+        allowed = {"mc2", "alltoall" if a3 else "allgather"}
     else:
         required = allowed = {"allgather"} if len(per_rank) > 1 else set()
     reached = {name for name, sites in METHOD_SITES.items()

@@ -24,7 +24,8 @@ def assert_same_routes(got, expected):
             assert g[k] == pytest.approx(e[k], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (2, 1)])
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (2, 1),
+                                                (4, 4)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_sigmoid_bias_grouped_routing_matches_loop(n_group, topk_group,
                                                    renormalize):
@@ -40,6 +41,41 @@ def test_sigmoid_bias_grouped_routing_matches_loop(n_group, topk_group,
     expected = route(logits, bias, 3, n_group, topk_group, renormalize, 2.5,
                      "sigmoid")
     assert_same_routes(as_dicts(weights, ids), expected)
+
+
+def _ops_run(fn) -> list[str]:
+    """The aten ops ``fn`` dispatches, views left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ops: list[str] = []
+    with Record():
+        fn()
+    return ops
+
+
+def test_routing_with_every_group_eligible_skips_the_group_mask():
+    """GLM-4.5 has one expert group: the group mask would keep every
+    expert, so it is not computed (the routes are the loop's above)."""
+    logits, bias = torch.randn(4, E), torch.randn(E)
+
+    def route_with(n_group, topk_group):
+        return lambda: routing.select_experts_ref(
+            logits, 2, renormalize=True, use_grouped_topk=True,
+            num_expert_group=n_group, topk_group=topk_group,
+            scoring_func="sigmoid", e_score_correction_bias=bias)
+
+    masked = _ops_run(route_with(2, 1))
+    for n_group in (1, 2):
+        unmasked = _ops_run(route_with(n_group, n_group))
+        assert "masked_fill" not in unmasked and "scatter_" not in unmasked
+        assert len(unmasked) <= len(masked) - 6, (unmasked, masked)
 
 
 def test_bias_only_chooses_and_never_weights():

@@ -104,7 +104,9 @@ def test_sigmoid_routing(torch_npu_module, num_experts, n_group, topk_group,
           torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bfloat16 only: the fused un-permute takes bfloat16 (the NPU runs GLM-4.5
+# in bfloat16, a startup check).
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("local_experts", [16, 8, 1],
                          ids=["all-local", "ep-half", "ep-one-expert"])
 def test_moe_experts(dtype, local_experts):
@@ -121,7 +123,8 @@ def test_moe_experts(dtype, local_experts):
         expert_map[first:] = torch.arange(local_experts, dtype=torch.int32)
         expert_map = to_npu(expert_map)
         w13, w2 = w13[first:], w2[first:]
-    got = experts._moe_experts_npu(x, w13, w2, weights, ids,
+    layout = experts._expert_weight_layout_npu
+    got = experts._moe_experts_npu(x, layout(w13), layout(w2), weights, ids,
                                    expert_map=expert_map)
     ref = experts.moe_experts_ref(x, w13, w2, weights, ids,
                                   expert_map=expert_map)

@@ -203,8 +203,12 @@ class TestNpuAgainstReference:
         local = slice(1, 3) if with_map else slice(None)
         args = (x, w13[local], w2[local], s13[local], s2[local], weights,
                 ids)
+        # The NPU path reads the weights in their NPU layout [E, K, N].
+        layout = experts._expert_weight_layout_npu
+        npu_args = (x, layout(w13[local]), layout(w2[local]), s13[local],
+                    s2[local], weights, ids)
         got = quant_experts._moe_experts_w8a8_npu(
-            *(to_npu(a) for a in args),
+            *(to_npu(a) for a in npu_args),
             expert_map=None if expert_map is None else to_npu(expert_map))
         want = quant_experts.moe_experts_w8a8_ref(*args,
                                                   expert_map=expert_map)

@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "tiny-glm45"
@@ -94,9 +94,17 @@ class ServeProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
-    def wait_healthy(self, timeout: float) -> float:
-        """Block until GET /health answers 200; return the seconds waited."""
+    def wait_healthy(
+            self,
+            timeout: float,
+            failed: Optional[Callable[[str], Optional[str]]] = None) -> float:
+        """Block until GET /health answers 200; return the seconds waited.
+
+        ``failed`` reads the log every 20 s and names a failure that will
+        never end by itself (a failed worker whose peers wait in a
+        collective): the wait then stops at once."""
         start = time.monotonic()
+        next_look = start + 20
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -110,6 +118,13 @@ class ServeProcess:
                         return time.monotonic() - start
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
+            if failed is not None and time.monotonic() >= next_look:
+                next_look += 20
+                cause = failed(self.log_path.read_text(errors="replace"))
+                if cause:
+                    self.stop()
+                    raise RuntimeError(f"a worker failed ({cause}); log "
+                                       f"{self.log_path}")
             time.sleep(1)
         self.stop()
         raise TimeoutError(

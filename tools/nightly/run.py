@@ -16,7 +16,9 @@ the plain-torch MTP), MTP acceptance (rate and per position) against the
 reference's, decode tokens/s at batch 1 and 16 as ratios measured in the
 same run (MTP / no MTP, graph / eager), host time per step and the draft's
 cost per target step, memory, and the invariants (the draft runs on the
-target's embedding and LM head; graphs captured and replayed). Writes
+target's embedding and LM head; graphs captured and replayed); the full
+plan adds the per-step device cost through the torch_npu double
+(``cost.*``, tools.bench.step_cost). Writes
 ``nightly-<time>.json`` into --out and the trend page ``trend.html`` over
 every run there; exits 1 on any regression, printing what moved, 2 when
 it cannot measure.
@@ -172,6 +174,20 @@ def reference_results(model: Path, prompts: list[list[int]], ks: list[int],
                                   reference=ref) for k in ks}
 
 
+def step_cost_figures(out: Path) -> dict[str, float]:
+    """The per-step cost figures (``cost.*``: kernels per layer and step,
+    syncs per step, MoE bytes per token, int8 weights in NZ, host time
+    MTP / no MTP) of this tree, through the torch_npu double."""
+    from tools.bench import step_cost
+    if not step_cost.double_installed():
+        raise CannotRun("the step cost needs the torch_npu double "
+                        "(make install); --skip-step-cost to go without")
+    logger.info("per-step cost through the double (tools.bench.step_cost)")
+    result = step_cost.run(step_cost.parse_args(
+        ["--against", "", "--out", str(out)]), emit=logger.info)
+    return result["columns"]["this"]["figures"]
+
+
 def measure(args: argparse.Namespace, plan: Plan,
             prompts: list[list[int]], source: str) -> dict[str, Any]:
     out_logs = args.out / f"logs-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -200,6 +216,8 @@ def measure(args: argparse.Namespace, plan: Plan,
                                       plan.new_tokens)
     figures, details = collect(runs, reference,
                                accuracy_batch=max(plan.batch_sizes))
+    if not args.smoke and not args.skip_step_cost:
+        figures.update(step_cost_figures(out_logs / "step-cost.json"))
     for result in runs.values():
         for config in result["configs"]:
             for b in config["batches"]:
@@ -243,6 +261,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="no offline reference (a checkpoint too large for "
                    "transformers on the host); accuracy is then MTP vs no "
                    "MTP only")
+    p.add_argument("--skip-step-cost", action="store_true",
+                   help="no per-step cost report (tools.bench.step_cost, "
+                   "through the torch_npu double; the full plan runs it)")
     p.add_argument("--compare", type=Path, default=None,
                    help="check an earlier run's JSON instead of measuring")
     p.add_argument("--update-baseline", action="store_true",

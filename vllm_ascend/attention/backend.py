@@ -24,8 +24,11 @@ from vllm_ascend.attention.metadata import (AscendAttentionMetadata,
                                             AscendAttentionState,
                                             classify_batch)
 from vllm_ascend.attention.paged_attention import get_paged_attention_ops
+from vllm_ascend.device import npu_kernels
 
 PAD_SLOT_ID = -1
+# The dtype of the slot mapping the KV writes take (int32 on the NPU).
+SLOT_MAPPING_DTYPE = torch.int32
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -76,10 +79,12 @@ class AscendAttentionMetadataBuilder(
         self.num_spec_tokens = (spec.num_speculative_tokens
                                 if spec is not None else 0)
         # A graph reads the slots of its KV writes from one buffer: the
-        # draft's slot mapping is a new tensor at every step.
+        # draft's slot mapping is a new tensor at every step. int32, the
+        # dtype the KV write kernel takes: the copy into it casts once per
+        # step, not once per layer (vllm-ascend keeps an int32 buffer too).
         self.slot_mapping = torch.full(
             (vllm_config.scheduler_config.max_num_batched_tokens, ),
-            PAD_SLOT_ID, dtype=torch.int64, device=device)
+            PAD_SLOT_ID, dtype=SLOT_MAPPING_DTYPE, device=device)
 
     def _persistent_slot_mapping(self, slot_mapping: torch.Tensor,
                                  num_tokens: int) -> torch.Tensor:
@@ -123,10 +128,37 @@ class AscendAttentionMetadataBuilder(
                            draft_index: int) -> AscendAttentionMetadata:
         metadata = self.build(0, common_attn_metadata, fast_build=True)
         if draft_index > 0:
-            # Patch 0008: seq_lens_cpu is an upper bound here; the exact
-            # lengths are on the device (one sync per draft step 2..k).
-            metadata.seq_lens_list = metadata.seq_lens.tolist()
+            metadata.seq_lens_list = draft_host_seq_lens(metadata)
         return metadata
+
+
+def _draft_seq_lens_from_tensor(metadata: AscendAttentionMetadata
+                                ) -> list[int]:
+    """Exact lengths read from ``seq_lens``: on the CPU reference device
+    that tensor is on the host, so reading it waits for nothing."""
+    return metadata.seq_lens.tolist()
+
+
+def _draft_seq_lens_known_on_host(metadata: AscendAttentionMetadata
+                                  ) -> list[int]:
+    """The lengths the host knows without reading the device.
+
+    In draft steps 2..k of the padded drafter batch the exact lengths
+    depend on how many drafts the device accepted; reading them would block
+    the host on the target's forward and the sampler in every such step
+    (the NPU's fused attention takes its lengths on the host, and its TND
+    layout takes no mask but the causal one). The host keeps
+    ``seq_lens_cpu`` as an upper bound instead (patch 0008: the target's
+    length plus the draft steps, inside max_model_len), as vllm-ascend does:
+    where drafts were rejected the draft attends to their stale KV too,
+    which may lower acceptance but never changes the output (the target
+    verifies every draft).
+    """
+    return metadata.seq_lens_list
+
+
+draft_host_seq_lens = (_draft_seq_lens_known_on_host
+                       if npu_kernels() else _draft_seq_lens_from_tensor)
 
 
 class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):

@@ -31,7 +31,8 @@ class AscendAttentionMetadata(AttentionMetadata):
     attn_state: AscendAttentionState
     # Context length of each request as the kernels take it (host values):
     # from seq_lens_cpu, which is exact except in draft steps 2..k of the
-    # padded drafter batch, where only the device seq_lens are.
+    # padded drafter batch, where the NPU path keeps it as an upper bound
+    # (no device read; backend.draft_host_seq_lens).
     seq_lens_list: list[int]
     # Cumulative query lengths (query_start_loc[1:]) as the kernels take
     # them, host values read at build time.

@@ -168,7 +168,7 @@ class NpuPagedAttention(_Attention):
                                          value=value,
                                          key_cache=key_cache,
                                          value_cache=value_cache,
-                                         slot_indices=slot_mapping.int())
+                                         slot_indices=slot_mapping)
 
     def _arguments(self, query, key_cache, value_cache, block_table,
                    query_ends, seq_lens, scale) -> dict[str, Any]:

@@ -78,39 +78,68 @@ def rotary_embedding_ref(
     cos_sin_cache: torch.Tensor,
     head_size: int,
     is_neox_style: bool,
+    step_cos_sin: Optional["StepCosSin"] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Rotate the first ``cos_sin_cache.shape[-1]`` dims of every head.
 
     ``cos_sin_cache`` is [max_position, rotary_dim] holding cos || sin of
     ``position * inv_freq``; the rotation runs in float32. Returns new
-    tensors with the shapes and dtypes of ``query`` and ``key``.
+    tensors with the shapes and dtypes of ``query`` and ``key``. The
+    reference gathers cos/sin per call (``step_cos_sin`` is the NPU path's).
     """
     return _rotate_query_key(_apply_ref, positions, query, key,
                              cos_sin_cache, head_size, is_neox_style)
 
 
-def _apply_npu(positions: torch.Tensor, x: torch.Tensor,
-               cos_sin_cache: torch.Tensor, head_size: int,
-               is_neox_style: bool) -> torch.Tensor:
-    import torch_npu
+def _rotary_mul_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        dtype: torch.dtype, is_neox_style: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``positions`` as ``npu_rotary_mul`` takes them: BSND
+    ``[1, T, 1, rotary_dim]`` in ``dtype``, each angle repeated for both
+    dims of its pair (the halves in neox style, adjacent dims in GPT-J
+    style)."""
     rotary_dim = cos_sin_cache.shape[-1]
-    num_tokens = positions.numel()
-    heads = x.reshape(num_tokens, -1, head_size)
     cos, sin = cos_sin_cache.index_select(0, positions.flatten()).to(
-        x.dtype).chunk(2, dim=-1)
+        dtype).chunk(2, dim=-1)
     if is_neox_style:
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     else:
         cos = cos.repeat_interleave(2, -1)
         sin = sin.repeat_interleave(2, -1)
-    # BSND layout: [1, T, N, rotary_dim] with cos/sin [1, T, 1, rotary_dim].
-    rot = torch_npu.npu_rotary_mul(
-        heads[..., :rotary_dim].unsqueeze(0).contiguous(),
-        cos.view(1, num_tokens, 1, rotary_dim),
-        sin.view(1, num_tokens, 1, rotary_dim),
-        rotary_mode="half" if is_neox_style else "interleave").squeeze(0)
-    out = torch.cat((rot, heads[..., rotary_dim:]), dim=-1)
-    return out.reshape(x.shape)
+    return (cos.view(1, -1, 1, rotary_dim), sin.view(1, -1, 1, rotary_dim))
+
+
+class StepCosSin:
+    """cos/sin computed once per forward step and shared by every layer.
+
+    Every decoder layer rotates the same positions with the same table
+    (vLLM's ``get_rope`` gives all layers one rotary module), so the first
+    layer of a forward computes them and the others reuse them. The key is
+    the forward context (vLLM sets a new one for every model call) and the
+    positions tensor. In a captured graph the first layer's computation is
+    recorded from the positions buffer, so every replay recomputes it, once.
+    Without a forward context (a bare call) nothing is reused.
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple[object, torch.Tensor]] = None
+        self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def get(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+            dtype: torch.dtype,
+            is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from vllm import forward_context
+        context = forward_context._forward_context
+        cached = self._cos_sin
+        if (context is not None and cached is not None
+                and self._key is not None and self._key[0] is context
+                and self._key[1] is positions and cached[0].dtype == dtype):
+            return cached
+        cos_sin = _rotary_mul_cos_sin(positions, cos_sin_cache, dtype,
+                                      is_neox_style)
+        if context is not None:
+            self._key, self._cos_sin = (context, positions), cos_sin
+        return cos_sin
 
 
 def _rotary_embedding_npu(
@@ -120,9 +149,43 @@ def _rotary_embedding_npu(
     cos_sin_cache: torch.Tensor,
     head_size: int,
     is_neox_style: bool,
+    step_cos_sin: Optional[StepCosSin] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return _rotate_query_key(_apply_npu, positions, query, key,
-                             cos_sin_cache, head_size, is_neox_style)
+    """One ``npu_rotary_mul`` for query and key together.
+
+    The rotated dims of query and key are stacked along the heads (one
+    copy), rotated by one kernel, and each joined again with its pass-
+    through dims (one copy each): four kernels per layer, plus the cos/sin
+    gather once per step (``step_cos_sin``).
+    """
+    import torch_npu
+    _check(positions, query, cos_sin_cache, head_size)
+    rotary_dim = cos_sin_cache.shape[-1]
+    num_tokens = positions.numel()
+    if step_cos_sin is None:
+        cos, sin = _rotary_mul_cos_sin(positions, cos_sin_cache, query.dtype,
+                                       is_neox_style)
+    else:
+        cos, sin = step_cos_sin.get(positions, cos_sin_cache, query.dtype,
+                                    is_neox_style)
+    q = query.view(num_tokens, -1, head_size)
+    parts = [q] if key is None else [q, key.view(num_tokens, -1, head_size)]
+    stacked = torch.cat([p[..., :rotary_dim] for p in parts], dim=1)
+    # BSND: [1, T, Nq + Nk, rotary_dim], cos/sin [1, T, 1, rotary_dim].
+    rotated = torch_npu.npu_rotary_mul(
+        stacked.unsqueeze(0),
+        cos,
+        sin,
+        rotary_mode="half" if is_neox_style else "interleave").squeeze(0)
+    outputs, start = [], 0
+    for part, x in zip(parts, (query, key)):
+        heads = part.shape[1]
+        rot = rotated[:, start:start + heads]
+        start += heads
+        if rotary_dim < head_size:
+            rot = torch.cat((rot, part[..., rotary_dim:]), dim=-1)
+        outputs.append(rot.reshape(x.shape))
+    return outputs[0], (outputs[1] if key is not None else None)
 
 
 rotary_embedding = (_rotary_embedding_npu
@@ -144,6 +207,8 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_size, rotary_dim, max_position_embeddings,
                          base, is_neox_style, dtype)
         self.cos_sin_cache_f32: torch.Tensor
+        # Every layer's rotary is this module: cos/sin once per step.
+        self.step_cos_sin = StepCosSin()
         self.register_buffer("cos_sin_cache_f32",
                              self._exact_cos_sin_cache(),
                              persistent=False)
@@ -174,4 +239,5 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         if cache.device != query.device:
             cache = self.cos_sin_cache_f32 = cache.to(query.device)
         return rotary_embedding(positions, query, key, cache, self.head_size,
-                                self.is_neox_style)
+                                self.is_neox_style,
+                                step_cos_sin=self.step_cos_sin)

@@ -18,8 +18,9 @@ from vllm.model_executor.layers.fused_moe.layer import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ascend.distributed import moe_comm
+from vllm_ascend.distributed.moe_comm.base import GroupedMLP
 from vllm_ascend.ops import weight_format
-from vllm_ascend.ops.moe.fused_moe import route
+from vllm_ascend.ops.moe.fused_moe import route, set_expert_layout
 from vllm_ascend.ops.moe.quant_experts import (expert_scale_dtype,
                                                grouped_mlp_w8a8_npu,
                                                moe_experts_w8a8)
@@ -75,6 +76,7 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
                         expert_scale_dtype(layer.moe_config.in_dtype)).
                               contiguous(),
                               requires_grad=False))
+        set_expert_layout(layer)
         # Last: the weights in their final layout, read fastest in the
         # NPU's NZ format.
         layer.w13_weight.data = weight_format.to_nz(layer.w13_weight.data)
@@ -142,13 +144,15 @@ class AscendW8A8DynamicFusedMoEMethod(FusedMoEMethodBase):
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 activation=activation)
 
-        def grouped(rows, group_ends):
-            return grouped_mlp_w8a8_npu(rows, group_ends, layer.w13_weight,
-                                        layer.w2_weight,
+        def grouped(rows, group_ends, row_scales):
+            # The MC2 dispatch hands over int8 rows (takes_int8).
+            return grouped_mlp_w8a8_npu(rows, row_scales, group_ends,
+                                        layer.w13_weight, layer.w2_weight,
                                         layer.w13_weight_scale,
-                                        layer.w2_weight_scale)
+                                        layer.w2_weight_scale, x.dtype)
 
         return moe_comm.current(x.shape[0]).experts(
             layer, x, topk_weights, topk_ids, expert_map, compute,
             apply_router_weight_on_input,
-            grouped=grouped if activation == "silu" else None)
+            grouped=(GroupedMLP(grouped, takes_int8=True)
+                     if activation == "silu" else None))

@@ -123,12 +123,17 @@ def capture_draft_graphs(proposer) -> int:
                           positions=proposer.positions[:num_tokens],
                           hidden_states=proposer.hidden_states[:num_tokens],
                           inputs_embeds=None)
+            if num_tokens == sizes[0]:
+                # Warm up once, as vLLM does before its captures: what the
+                # kernels allocate on first use stays out of graphs. Its own
+                # forward context, as every model call has: what a forward
+                # computes once for all layers (the rotary cos/sin) is then
+                # computed inside the capture, from the positions buffer.
+                with set_forward_context(per_layer, proposer.vllm_config,
+                                         num_tokens=num_tokens):
+                    wrapper.runnable(**inputs)
             with set_forward_context(per_layer, proposer.vllm_config,
                                      num_tokens=num_tokens):
-                if num_tokens == sizes[0]:
-                    # Warm up once, as vLLM does before its captures: what
-                    # the kernels allocate on first use stays out of graphs.
-                    wrapper.runnable(**inputs)
                 wrapper.capture(num_tokens, **inputs)
     finally:
         set_cudagraph_capturing_enabled(False)

@@ -43,7 +43,11 @@ class AscendWorker(Worker):
                                             self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
+        # Before the memory baseline and the KV sizing: the MoE
+        # communication creates the EP communicator MC2 uses (its HCCL
+        # buffer), and the first ATB op its workspace.
         moe_comm.configure(self.vllm_config)
+        self.warm_up()
         self.record_memory_at_start()
         self.model_runner: AscendModelRunner = self.model_runner_cls(
             self.vllm_config, self.device)
@@ -59,6 +63,9 @@ class AscendWorker(Worker):
         return self.kv_cache_bytes()
 
     def select_device(self) -> None:
+        pass
+
+    def warm_up(self) -> None:
         pass
 
     def record_memory_at_start(self) -> None:
@@ -82,6 +89,25 @@ class NpuWorker(AscendWorker):
 
     def select_device(self) -> None:
         torch.npu.set_device(self.local_rank)
+
+    def warm_up(self) -> None:
+        """One small ATB op, so that ATB's first-use set-up (its workspace)
+        happens before the KV cache is sized, not in the first served step:
+        what vllm-ascend v0.11.0's ``_warm_up_atb`` does (worker_v1.py:
+        330-341). The op is the ATB kernel every step runs first
+        (ReshapeAndCache), on a one-slot cache."""
+        import torch_npu
+
+        # One token, one head of 128, into one block of 128 slots: the
+        # shapes the attention runs (bfloat16, head dim and block size 128).
+        key = torch.zeros((1, 1, 128), dtype=torch.bfloat16,
+                          device=self.device)
+        cache = torch.zeros((1, 128, 1, 128), dtype=torch.bfloat16,
+                            device=self.device)
+        slots = torch.zeros(1, dtype=torch.int32, device=self.device)
+        torch_npu._npu_reshape_and_cache(key, key, cache, cache.clone(),
+                                         slots)
+        torch.npu.synchronize()
 
     def record_memory_at_start(self) -> None:
         gc.collect()

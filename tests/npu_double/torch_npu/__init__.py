@@ -17,6 +17,7 @@ from ._hccl import HcclContractGroup
 # isort: off
 from ._mc2 import (npu_moe_distribute_combine_v2,  # noqa: F401
                    npu_moe_distribute_dispatch_v2)
+from ._moe import npu_moe_token_unpermute  # noqa: F401
 from ._ops import (  # noqa: F401
     _npu_fused_infer_attention_score_get_max_workspace,
     _npu_reshape_and_cache, npu_add_rms_norm, npu_dynamic_quant,

@@ -459,6 +459,11 @@ class EmulatedGraph:
 
     # -- replay ----------------------------------------------------------
     def replay(self) -> None:
+        if observer is not None:
+            return observer.replay(self, self._replay)
+        self._replay()
+
+    def _replay(self) -> None:
         with torch.no_grad():
             for node in self._nodes:
                 node.run()
@@ -529,6 +534,9 @@ def graph_task_group_end(stream=None) -> TaskGroup:
 
 
 _updating: list[_Updater] = []
+# The cost meter counting kernel launches and replays (``_cost.CostMeter``),
+# if one is active.
+observer: Optional[Any] = None
 
 
 def graph_task_update_begin(stream, handle: TaskGroup) -> None:
@@ -590,15 +598,22 @@ def kernel(fn: Callable) -> Callable:
     def launch(*args, **kwargs):
         if _updating:
             return _updating[-1].replace(fn, args, kwargs)
-        graph_ = EmulatedGraph._capturing
-        if graph_ is None or graph_._in_kernel:
-            return fn(*args, **kwargs)
-        with graph_._kernel_scope():
-            result = fn(*args, **kwargs)
-        graph_._record(fn, args, kwargs, result)
-        return result
+        if observer is not None:
+            return observer.launch(fn, lambda: _launch(fn, args, kwargs),
+                                   args, kwargs)
+        return _launch(fn, args, kwargs)
 
     return launch
+
+
+def _launch(fn: Callable, args: tuple, kwargs: dict):
+    graph_ = EmulatedGraph._capturing
+    if graph_ is None or graph_._in_kernel:
+        return fn(*args, **kwargs)
+    with graph_._kernel_scope():
+        result = fn(*args, **kwargs)
+    graph_._record(fn, args, kwargs, result)
+    return result
 
 
 # torch.npu's names for the same API.

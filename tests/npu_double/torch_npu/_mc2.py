@@ -6,9 +6,9 @@ and ``..._combine_v2.md`` (``D:`` and ``C:`` with their lines below) and the
 op's C++ (``op_plugin/ops/opapi/MoeDistributeDispatchV2KernelOpApi.cpp``,
 ``CPP:``), for the SoC ``torch.npu.get_soc_version()`` reports (A2 by
 default, ``VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION``), with the ``""``/
-``fullmesh`` algorithm. What the double does not implement (int8 dispatch,
-int4-packed x, shared-expert ranks, the special experts, a TP domain, the
-hierarchy algorithm) raises NotImplementedError.
+``fullmesh`` algorithm. What the double does not implement (dispatch
+``scales``, int4-packed x, shared-expert ranks, the special experts, a TP
+domain, the hierarchy algorithm) raises NotImplementedError.
 
 The exchange runs over the gloo group behind the HCCL communicator name
 (``get_hccl_comm_name``). Expert ``e`` lives on rank ``e // local_E``.
@@ -237,10 +237,16 @@ def npu_moe_distribute_dispatch_v2(
                            shared_expert_rank_num, group_tp, tp_world_size,
                            tp_rank_id, zero_expert_num + copy_expert_num +
                            const_expert_num, bs, hidden)
-    # D:106, D:143
-    if quant_mode != 0 or scales is not None:
+    # D:143: 0 (no quantization) or 2 (dynamic: int8 expand_x with
+    # per-token dynamic_scales, D:40-65, D:167-168). D:106: scales (a
+    # per-expert smoothing factor) are optional with 2 and not taken with 0.
+    check(quant_mode in (0, 2), op, f"quant_mode {quant_mode} must be 0 "
+          "(no quantization) or 2 (dynamic quantization)")
+    check(quant_mode == 2 or scales is None, op,
+          "scales are for dynamic quantization (quant_mode 2) only")
+    if scales is not None:
         raise NotImplementedError(f"{op}: the double implements quant_mode "
-                                  "0 (no scales) only")
+                                  "2 without scales")
     # D:117
     check(elastic_info is None, op, "elastic_info is reserved: pass None")
     # D:146
@@ -266,8 +272,14 @@ def npu_moe_distribute_dispatch_v2(
     ids = _all_gather_rows(group, expert_ids.long(), max_bs)
     alive = _all_gather_rows(group, active.to(torch.uint8), max_bs).bool()
     first = ep_rank_id * local
-    # D:167 (no TP domain: A rows)
-    expand_x = torch.full((rows, hidden), float("nan"), dtype=x.dtype)
+    # D:167 (no TP domain: A rows); int8 with quant_mode 2. Rows past the
+    # received ones are undefined: NaN, or with int8 their scales NaN.
+    quantized = quant_mode == 2
+    expand_x = (torch.zeros((rows, hidden), dtype=torch.int8) if quantized
+                else torch.full((rows, hidden), float("nan"), dtype=x.dtype))
+    # D:168: float32 [A] with quant_mode 2 (without: no output, empty).
+    dynamic_scales = (torch.full((rows, ), float("nan"))
+                      if quantized else torch.empty(0))
     # The double's combine info: (source rank, token, slot) per row (D:169:
     # [A * 128] int32, opaque, D:188).
     assist = torch.zeros(rows * 128, dtype=torch.int32)
@@ -281,7 +293,14 @@ def npu_moe_distribute_dispatch_v2(
             n = tokens.numel()
             check(row + n <= rows, op, f"more than A={rows} rows for this "
                   "rank: global_bs is too small")
-            expand_x[row:row + n] = xs[src, tokens].to(x.dtype)
+            if quantized:
+                # D:42-50: each token quantized at its source, its scale
+                # 1 / (127 / max|x|) sent along.
+                q, scale = _quantize_tokens(xs[src, tokens])
+                expand_x[row:row + n] = q
+                dynamic_scales[row:row + n] = scale
+            else:
+                expand_x[row:row + n] = xs[src, tokens].to(x.dtype)
             info = torch.stack([torch.full_like(tokens, src), tokens, slots],
                                dim=1)
             assist[3 * row:3 * (row + n)] = info.flatten().int()
@@ -300,8 +319,18 @@ def npu_moe_distribute_dispatch_v2(
     # D:180-182: A2 float32 [A] (undefined without expert_scales: NaN);
     # A3 None.
     expand_scales = None if a3 else torch.full((rows, ), float("nan"))
-    return (expand_x, torch.empty(0), assist, expert_token_nums,
+    return (expand_x, dynamic_scales, assist, expert_token_nums,
             ep_recv_counts, tp_recv_counts, expand_scales)
+
+
+def _quantize_tokens(x: torch.Tensor):
+    """D:42-46 without scales: value = 127 / max|x| per token, int8 of
+    x * value (rounded to nearest even, saturated), and 1 / value."""
+    x = x.float()
+    peak = x.abs().amax(dim=-1)
+    value = torch.where(peak > 0, 127.0 / peak, torch.ones_like(peak))
+    q = torch.round(x * value.unsqueeze(-1)).clamp(-128, 127)
+    return q.to(torch.int8), 1.0 / value
 
 
 @traced("torch_npu.npu_moe_distribute_combine_v2")

@@ -444,6 +444,10 @@ def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
     check(r1.shape == r2.shape, op, "r1 and r2 must have the same shape")
     b, s, n, d = self.shape
     check(d % 2 == 0 and d < 896, op, f"D={d} must be even and < 896")
+    # half mode: "B, N < 1000" (7.2.0 docs/context/torch_npu-npu_rotary_mul
+    # .md:85); the plugin stacks query and key heads along N.
+    check(rotary_mode != "half" or (b < 1000 and n < 1000), op,
+          f"half mode needs B, N < 1000, got B={b}, N={n}")
     allowed = [(1, s, 1, d), (b, s, 1, d), (b, s, n, d)]
     if rotary_mode == "interleave":
         allowed = [(1, s, 1, d)]
@@ -547,8 +551,15 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
           f"active_num must equal NUM_ROWS*K={rows * top_k}")
     check(quant_mode in (-1, 1), op, "quant_mode: only -1 and 1 are "
           "supported")
-    check(quant_mode == -1 and scale is None and offset is None, op,
-          "the double implements quant_mode=-1 without scale only")
+    # 7.2.0 torch_npu-npu_moe_init_routing_v2.md:69 quant_mode 1 is
+    # dynamic quantization: without scale each expanded row by its own
+    # max|x| / 127 (formula 4, the golden test's quant_mode 1 branch);
+    # expanded_x int8 (:75), expanded_scale float32 [NUM_ROWS * K], the
+    # first available rows valid (:80). An int8 x gives meaningless output.
+    check(quant_mode == -1 or x.dtype != torch.int8, op,
+          "quant_mode=1 needs a float x (int8 x gives meaningless output)")
+    check(scale is None and offset is None, op,
+          "the double implements the call without scale and offset")
     check(drop_pad_mode == 0, op, "drop_pad_mode: only 0 (dropless) is "
           "supported")
     check(expert_tokens_num_type == 1, op,
@@ -570,7 +581,11 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
     in_range = (flat >= start) & (flat < end)
     available = int(in_range.sum())
     expanded_x = x[order // top_k].clone()
-    if expanded_x.is_floating_point():
+    expanded_scale = torch.zeros(rows * top_k, dtype=torch.float32)
+    if quant_mode == 1:
+        expanded_x, expanded_scale = _dynamic_quant_rows(expanded_x)
+        expanded_scale[available:] = float("nan")  # invalid rows
+    elif expanded_x.is_floating_point():
         expanded_x[available:] = float("nan")  # invalid rows: undefined
     if row_idx_type == 1:
         row_idx = order.to(torch.int32)
@@ -580,8 +595,16 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None,
                                                   dtype=torch.int32)
     counts = torch.bincount(flat[in_range] - start,
                             minlength=end - start).to(torch.int64)
-    return (expanded_x, row_idx, counts,
-            torch.zeros(rows * top_k, dtype=torch.float32))
+    return expanded_x, row_idx, counts, expanded_scale
+
+
+def _dynamic_quant_rows(x: torch.Tensor):
+    """Per row: scale = max|x| / 127, int8 rint(x / scale) (the formula of
+    npu_moe_init_routing_v2.md step 4 and npu_dynamic_quant.md)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _rint_int8(x / safe.unsqueeze(-1)), scale
 
 
 @traced("torch_npu.npu_grouped_matmul")

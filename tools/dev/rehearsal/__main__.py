@@ -401,46 +401,11 @@ def _complete(base_url: str, prompt: str, max_tokens: int,
     return reply.json()["choices"][0]
 
 
-def _wait_healthy(server: ServeProcess, timeout: float) -> float:
-    """``ServeProcess.wait_healthy`` in slices, giving up as soon as the
-    log names a failed worker: its peers then wait in a collective and the
-    server never exits by itself."""
-    start = time.monotonic()
-    while True:
-        left = timeout - (time.monotonic() - start)
-        if left <= 0:
-            raise TimeoutError(f"not healthy after {timeout:.0f} s")
-        try:
-            return _health_slice(server, min(left, 20), start)
-        except TimeoutError:
-            text = server.log_path.read_text(errors="replace")
-            cause = CAUSE.search(ANSI.sub("", text))
-            if cause:
-                raise RuntimeError(
-                    f"a worker failed ({cause.group(0)})") from None
-
-
-def _health_slice(server: ServeProcess, seconds: float,
-                  start: float) -> float:
-    """Seconds since ``start`` once GET /health answers 200 within
-    ``seconds``; TimeoutError otherwise, RuntimeError if the server
-    exited."""
-    import urllib.error
-    import urllib.request
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with code "
-                               f"{server.proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{server.base_url}/health",
-                                        timeout=2) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise TimeoutError
+def _worker_failure(log: str) -> Optional[str]:
+    """The cause a failed worker printed, if any: its peers then wait in a
+    collective and the server never exits by itself."""
+    cause = CAUSE.search(ANSI.sub("", log))
+    return cause.group(0) if cause else None
 
 
 def run_one(name: str, model: Path, flags: Flags, env: dict[str, str],
@@ -463,7 +428,8 @@ def run_one(name: str, model: Path, flags: Flags, env: dict[str, str],
     try:
         with watch:
             try:
-                result.startup_s = _wait_healthy(server, args.run_timeout)
+                result.startup_s = server.wait_healthy(
+                    args.run_timeout, failed=_worker_failure)
             except (RuntimeError, TimeoutError) as e:
                 result.status = ("killed: " + watch.killed if watch.killed
                                  else "startup failed: " +

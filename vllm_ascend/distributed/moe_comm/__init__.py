@@ -7,13 +7,18 @@ ranks, and the MTP draft after the target, use one method in a step:
 - without expert parallelism: all-gather (with DP, vLLM's dispatch and
   combine; without, nothing to exchange);
 - with expert parallelism: MC2 when the largest DP rank's batch fits its
-  buffers (``VLLM_ASCEND_MC2_CAPACITY`` tokens per rank), all-gather above;
-  in graph mode all-gather too when MC2 would run its torch exchange on an
-  NPU (the fused kernels do not take the configuration): HCCL's
-  all-to-all is not shown to be captured. The choice must be the same on
-  every rank, and a rank may run a step eagerly while another replays a
-  graph (FULL_DECODE_ONLY): so it follows the configuration, not the
-  step's graph mode.
+  buffers (``VLLM_ASCEND_MC2_CAPACITY`` tokens per rank); above, per SoC as
+  vllm-ascend v0.11.0 (``_select_moe_comm_method``; main's
+  ``_select_a3_moe_comm_method``): all-to-all on an Atlas A3, all-gather
+  on an A2 (and on the CPU reference device). In graph mode all-gather
+  when MC2 would run its torch exchange on an NPU (the fused kernels do
+  not take the configuration): HCCL's all-to-all is not shown to be
+  captured, so the A3's all-to-all too only runs a step no rank can replay
+  a graph for (a batch above the largest capture size; vllm-ascend's MC2
+  capacity is that size, so its all-to-all steps are eager as well). The
+  choice must be the same on every rank, and a rank may run a step eagerly
+  while another replays a graph (FULL_DECODE_ONLY): so it follows the
+  configuration and the DP-synced batch, not the step's graph mode.
 
 ``VLLM_ASCEND_MOE_COMM=allgather|alltoall|mc2`` forces one; a forced method
 that cannot run in the configuration fails at startup (``check_config``).
@@ -94,11 +99,47 @@ def check_config(vllm_config) -> None:
             "--max-num-batched-tokens.")
 
 
+def _largest_graph(vllm_config) -> Optional[int]:
+    """The largest batch a captured graph runs: 0 without graphs, None when
+    graphs are on but their sizes unknown (any batch may replay one)."""
+    if not _uses_graphs(vllm_config):
+        return 0
+    sizes = getattr(vllm_config.compilation_config,
+                    "cudagraph_capture_sizes", None)
+    return max(sizes) if sizes else None
+
+
+def select_method(*, expert_parallel: bool, family: Optional[str],
+                  fits_mc2: bool, mc2_graph_safe: bool, graphs: bool,
+                  in_graph_range: bool) -> tuple[str, str]:
+    """(method, reason) for one step, when none is forced.
+
+    ``family``: "A2", "A3" or None (the CPU reference device);
+    ``mc2_graph_safe``: MC2 runs its fused kernels, which graphs capture;
+    ``in_graph_range``: some rank may replay a captured graph for this
+    batch (graph mode and a batch within the largest capture size)."""
+    if not expert_parallel:
+        return "allgather", "no expert parallelism"
+    a3_all_to_all = family == "A3" and not fits_mc2 and not in_graph_range
+    if a3_all_to_all:
+        return "alltoall", ("expert parallelism on an Atlas A3, batch above "
+                            "the MC2 capacity and every captured graph")
+    if graphs and not mc2_graph_safe:
+        return "allgather", ("expert parallelism in graph mode; MC2 without "
+                             "its fused kernels would capture HCCL "
+                             "all-to-all")
+    if fits_mc2:
+        return "mc2", "expert parallelism, batch within the MC2 capacity"
+    return "allgather", "expert parallelism, batch above the MC2 capacity"
+
+
 class _Selection:
 
     def __init__(self) -> None:
         self.expert_parallel = False
         self.graphs = False
+        self.family: Optional[str] = None
+        self.largest_graph: Optional[int] = 0
         self.forced: Optional[str] = None
         self.methods: dict[str, MoECommMethod] = {}
         self.step_method: Optional[MoECommMethod] = None
@@ -117,6 +158,9 @@ class _Selection:
         }
         self.step_method = None
         self.graphs = _uses_graphs(vllm_config)
+        self.largest_graph = _largest_graph(vllm_config)
+        self.family = (mc2_kernels.device_family()
+                       if self.expert_parallel else None)
         mc2 = self.methods["mc2"]
         if (self.expert_parallel and self.forced is None and self.graphs
                 and not mc2.graph_safe):
@@ -141,15 +185,16 @@ class _Selection:
         else:
             mc2 = self.methods["mc2"]
             assert isinstance(mc2, MC2MoEComm)
-            fits = _max_tokens(num_tokens) <= mc2.capacity
-            if self.graphs and not mc2.graph_safe:
-                name = "allgather"
-                reason = ("expert parallelism in graph mode; MC2 without its "
-                          "fused kernels would capture HCCL all-to-all")
-            else:
-                name = "mc2" if fits else "allgather"
-                reason = (f"expert parallelism, batch "
-                          f"{'within' if fits else 'above'} the MC2 capacity")
+            tokens = _max_tokens(num_tokens)
+            name, reason = select_method(
+                expert_parallel=True,
+                family=self.family,
+                fits_mc2=tokens <= mc2.capacity,
+                mc2_graph_safe=mc2.graph_safe,
+                graphs=self.graphs,
+                in_graph_range=self.graphs
+                and (self.largest_graph is None
+                     or tokens <= self.largest_graph))
         if name not in self.logged:
             self.logged.add(name)
             logger.info("MoE communication: %s (%s)", name, reason)

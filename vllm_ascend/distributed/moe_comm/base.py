@@ -13,13 +13,14 @@ A method decides where the routed experts of a token are computed:
 
 ``compute(x, topk_weights, topk_ids, expert_map)`` is the layer's expert
 kernel (float or W8A8) on global expert ids; rows whose expert another rank
-holds come back zero. ``grouped(rows, group_ends)``, where the layer has
+holds come back zero. ``grouped`` (a ``GroupedMLP``), where the layer has
 one (the NPU's SwiGLU experts), runs rows already grouped by local expert
 (cumulative counts) through their experts' MLP: what the NPU's fused MC2
 dispatch hands over.
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,29 @@ import torch
 ExpertsFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
     torch.Tensor]
-GroupedFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupedMLP:
+    """``run(rows, group_ends, row_scales)``: the layer's grouped experts.
+
+    ``takes_int8`` (W8A8 experts): the rows may come quantized, int8 with
+    float32 per-row scales, so an exchange can send int8 (half the bytes
+    of bfloat16) and the experts skip their own quantization; float rows
+    come with ``row_scales`` None.
+    """
+    run: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+                  torch.Tensor]
+    takes_int8: bool = False
+
+    def __call__(self,
+                 rows: torch.Tensor,
+                 group_ends: torch.Tensor,
+                 row_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.run(rows, group_ends, row_scales)
+
+
+GroupedFn = GroupedMLP
 
 
 class MoECommMethod(ABC):

@@ -22,7 +22,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from vllm.distributed import get_ep_group
 from vllm.logger import init_logger
 
@@ -132,19 +131,27 @@ class FusedMC2Kernels:
         self._comm_name = ""
 
     def comm_name(self) -> str:
-        """The EP group's HCCL communicator name (``group_ep``)."""
+        """The EP group's HCCL communicator name (``group_ep``). Asking for
+        it creates the communicator (and its HCCL buffer): ``create`` does
+        it at configuration, before the KV cache is sized, as vllm-ascend
+        v0.11.0's MC2 dispatcher does in its ``__init__``
+        (``token_dispatcher.py:86-91``)."""
         if not self._comm_name:
-            group = get_ep_group().device_group
-            backend = group._get_backend(
+            ep = get_ep_group()
+            backend = ep.device_group._get_backend(
                 torch.device(device.tensor_device_type()))
-            self._comm_name = backend.get_hccl_comm_name(dist.get_rank())
+            self._comm_name = backend.get_hccl_comm_name(ep.rank_in_group)
         return self._comm_name
 
     def experts(self, x: torch.Tensor, share: slice,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, grouped: GroupedFn) -> torch.Tensor:
         """``x``'s rows ``share`` through the experts (``exchange.
-        tp_share``); zeros elsewhere."""
+        tp_share``); zeros elsewhere. For int8 experts the dispatch
+        quantizes each token (quant_mode=2, dispatch_v2.md:143): int8 rows
+        and their float32 scales travel, half the bytes of bfloat16, as
+        vllm-ascend v0.11.0 sends its W8A8 tokens
+        (``token_dispatcher.py:124``)."""
         import torch_npu
         ep = get_ep_group()
         # The kernels take no empty batch: a TP rank without a share sends
@@ -163,15 +170,17 @@ class FusedMC2Kernels:
         # with the EP group's name, as vllm-ascend does.
         tp = dict(group_tp=self.comm_name(), tp_world_size=1,
                   tp_rank_id=0) if self.a3 else {}
-        (expand_x, _, assist, group_ends, recv_counts, tp_counts,
+        int8 = grouped.takes_int8
+        (expand_x, row_scales, assist, group_ends, recv_counts, tp_counts,
          expand_scales) = torch_npu.npu_moe_distribute_dispatch_v2(
              x[send],
              ids,
              expert_scales=weights if self.send_scales else None,
+             quant_mode=2 if int8 else 0,
              expert_token_nums_type=0,
              **common,
              **tp)
-        y = grouped(expand_x, group_ends)
+        y = grouped(expand_x, group_ends, row_scales if int8 else None)
         # Atlas A2 combine requires the dispatch's expand_scales
         # (combine_v2.md:82-84), with or without expert_scales; its
         # tp_send_counts keeps the default None (combine_v2.md:72-74): the
@@ -192,13 +201,21 @@ class FusedMC2Kernels:
         return out
 
 
+def device_family() -> Optional[str]:
+    """This NPU's family ("A2", "A3"); None on the CPU reference device."""
+    if not device.npu_kernels():
+        return None
+    return soc_family(torch.npu.get_soc_version())
+
+
 def create(vllm_config, capacity: int) -> Optional[FusedMC2Kernels]:
     """The fused kernels when this NPU and configuration take them (logged
-    once per process either way); None on the CPU reference device."""
+    once per process either way), their EP communicator created; None on
+    the CPU reference device."""
     if not device.npu_kernels():
         return None
     import torch_npu
-    family = soc_family(torch.npu.get_soc_version())
+    family = device_family()
     reason = unsupported_reason(vllm_config, capacity, family)
     if reason is None and not hasattr(torch_npu,
                                       "npu_moe_distribute_dispatch_v2"):
@@ -212,7 +229,9 @@ def create(vllm_config, capacity: int) -> Optional[FusedMC2Kernels]:
     logger.info("MC2: fused npu_moe_distribute_dispatch_v2/combine_v2 "
                 "kernels (Atlas %s%s)", family,
                 ", hierarchy" if hierarchical else "")
-    return FusedMC2Kernels(
+    kernels = FusedMC2Kernels(
         max_tokens_per_rank(capacity,
                             vllm_config.parallel_config.tensor_parallel_size),
         family, hierarchical)
+    kernels.comm_name()
+    return kernels

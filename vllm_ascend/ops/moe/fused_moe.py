@@ -16,8 +16,21 @@ from vllm.model_executor.layers.fused_moe.layer import (
     UnquantizedFusedMoEMethod)
 
 from vllm_ascend.distributed import moe_comm
-from vllm_ascend.ops.moe.experts import grouped_mlp_npu, moe_experts
+from vllm_ascend.distributed.moe_comm.base import GroupedMLP
+from vllm_ascend.ops.moe.experts import (expert_weight_layout, grouped_mlp_npu,
+                                         moe_experts)
 from vllm_ascend.ops.moe.routing import select_experts
+
+
+def set_expert_layout(layer: torch.nn.Module) -> None:
+    """Give w13/w2 the layout this device's expert kernels read
+    (``experts.expert_weight_layout``), once, after loading."""
+    for name in ("w13_weight", "w2_weight"):
+        weight = getattr(layer, name)
+        laid_out = expert_weight_layout(weight.data)
+        if laid_out is not weight.data:
+            setattr(layer, name,
+                    torch.nn.Parameter(laid_out, requires_grad=False))
 
 
 def route(
@@ -75,12 +88,14 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        # w13/w2 are used as loaded. vLLM's version imports the ROCm AITER
+        # w13/w2 take this device's layout (the NPU's [E, K, N], contiguous;
+        # the reference's as loaded). vLLM's version imports the ROCm AITER
         # module and packs weights for its CPU kernels: neither applies.
         if self.moe.has_bias:
             raise NotImplementedError(
                 f"{layer.__class__.__name__} has expert biases; vllm_ascend "
                 "implements bias-free experts only (GLM-4.5 has none).")
+        set_expert_layout(layer)
 
     def forward_oot(
         self,
@@ -132,14 +147,14 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 activation=activation)
 
-        def grouped(rows, group_ends):
+        def grouped(rows, group_ends, row_scales):
             return grouped_mlp_npu(rows, group_ends, layer.w13_weight,
-                                   layer.w2_weight)
+                                   layer.w2_weight, row_scales)
 
         return moe_comm.current(x.shape[0]).experts(
             layer, x, topk_weights, topk_ids, expert_map, compute,
             apply_router_weight_on_input,
-            grouped=grouped if activation == "silu" else None)
+            grouped=GroupedMLP(grouped) if activation == "silu" else None)
 
     # With custom ops disabled (inductor), CustomOp dispatches to
     # forward_native, which vLLM bound to the triton path.

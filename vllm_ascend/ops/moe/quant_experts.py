@@ -1,5 +1,6 @@
 """W8A8_DYNAMIC routed experts: int8 weights with per-channel scales,
-activations quantized per token before each grouped matmul.
+activations quantized per token before each grouped matmul (on the NPU the
+first quantization runs inside the routing kernel or the MC2 dispatch).
 
 ``w13`` is int8 [E_local, 2I, H], ``w2`` int8 [E_local, H, I] (the float
 layout of ``experts``), ``w13_scale`` [E_local, 2I], ``w2_scale``
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 
 from vllm_ascend.device import npu_kernels
 from vllm_ascend.ops import quant
-from vllm_ascend.ops.moe.experts import (_check, _local_ids, _npu_permute,
-                                         _npu_unpermute, grouped_matmul_npu)
+from vllm_ascend.ops.moe.experts import (_check, _local_ids,
+                                         grouped_matmul_npu, loaded_layout,
+                                         npu_permute, npu_unpermute)
 
 
 def expert_scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,37 +94,44 @@ def _moe_experts_w8a8_npu(
     apply_router_weight_on_input: bool = False,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """Permute, per-token quantize, two int8 grouped matmuls with SwiGLU
-    between them, un-permute (``experts._moe_experts_npu``'s steps)."""
-    _check(x, w13, w2, topk_weights, topk_ids, activation)
-    _check_scales(w13, w2, w13_scale, w2_scale)
+    """Permute and quantize in one routing kernel, two int8 grouped
+    matmuls with SwiGLU between them, fused un-permute
+    (``experts._moe_experts_npu``'s steps). ``w13`` [E, H, 2I] and ``w2``
+    [E, I, H]: the NPU layout (``experts.expert_weight_layout``)."""
+    _check(x, loaded_layout(w13), loaded_layout(w2), topk_weights, topk_ids,
+           activation)
+    _check_scales(loaded_layout(w13), loaded_layout(w2), w13_scale, w2_scale)
     if apply_router_weight_on_input:
-        return moe_experts_w8a8_ref(x, w13, w2, w13_scale, w2_scale,
-                                    topk_weights, topk_ids,
+        return moe_experts_w8a8_ref(x, loaded_layout(w13), loaded_layout(w2),
+                                    w13_scale, w2_scale, topk_weights,
+                                    topk_ids,
                                     expert_map=expert_map,
                                     apply_router_weight_on_input=True,
                                     activation=activation)
-    permuted, src_slot, group_ends = _npu_permute(x, topk_ids, expert_map,
-                                                  w13.shape[0])
-    y = grouped_mlp_w8a8_npu(permuted, group_ends, w13, w2, w13_scale,
-                             w2_scale)
-    return _npu_unpermute(y, src_slot, group_ends, topk_weights, x)
+    routed = npu_permute(x, topk_ids, expert_map, w13.shape[0],
+                         quantize=True)
+    y = grouped_mlp_w8a8_npu(routed.rows, routed.row_scales,
+                             routed.group_ends, w13, w2, w13_scale,
+                             w2_scale, x.dtype)
+    return npu_unpermute(y, routed, topk_weights)
 
 
-def grouped_mlp_w8a8_npu(rows: torch.Tensor, group_ends: torch.Tensor,
-                         w13: torch.Tensor, w2: torch.Tensor,
-                         w13_scale: torch.Tensor,
-                         w2_scale: torch.Tensor) -> torch.Tensor:
-    """``experts.grouped_mlp_npu`` with int8 weights: per-token quantized
-    activations, output in the rows' dtype."""
+def grouped_mlp_w8a8_npu(rows: torch.Tensor, row_scales: torch.Tensor,
+                         group_ends: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, w13_scale: torch.Tensor,
+                         w2_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``experts.grouped_mlp_npu`` with int8 weights, on rows that come
+    quantized (int8 with float32 per-row ``row_scales``: from the routing
+    kernel or the MC2 dispatch); the output in ``out_dtype``."""
     import torch_npu
-    q, s = torch_npu.npu_dynamic_quant(rows)
-    gate_up = grouped_matmul_npu(q, w13, group_ends, scale=[w13_scale],
-                                 per_token_scale=[s], output_dtype=rows.dtype)
+    gate_up = grouped_matmul_npu(rows, w13, group_ends, scale=[w13_scale],
+                                 per_token_scale=[row_scales],
+                                 output_dtype=out_dtype)
     h = torch_npu.npu_swiglu(gate_up, dim=-1)
     q2, s2 = torch_npu.npu_dynamic_quant(h)
     return grouped_matmul_npu(q2, w2, group_ends, scale=[w2_scale],
-                              per_token_scale=[s2], output_dtype=rows.dtype)
+                              per_token_scale=[s2], output_dtype=out_dtype)
 
 
 moe_experts_w8a8 = (_moe_experts_w8a8_npu

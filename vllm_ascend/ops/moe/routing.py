@@ -46,6 +46,24 @@ def _check_groups(num_experts: int, top_k: int, num_expert_group: int,
             f"experts of {topk_group} group(s).")
 
 
+def _mask_ineligible_groups(choice: torch.Tensor, num_expert_group: int,
+                            topk_group: int, biased: bool) -> torch.Tensor:
+    """``choice`` with the experts outside the ``topk_group`` best groups
+    at -inf."""
+    num_tokens = choice.shape[0]
+    grouped = choice.view(num_tokens, num_expert_group, -1)
+    if biased:
+        best = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    groups = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, -1)
+    return choice.masked_fill(~keep, float("-inf"))
+
+
 def select_experts_ref(
     router_logits: torch.Tensor,
     top_k: int,
@@ -69,17 +87,13 @@ def select_experts_ref(
             raise ValueError("grouped top-k needs num_expert_group and "
                              "topk_group.")
         _check_groups(num_experts, top_k, num_expert_group, topk_group)
-        grouped = choice.view(num_tokens, num_expert_group, -1)
-        if e_score_correction_bias is not None:
-            best = min(2, grouped.shape[-1])
-            group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
-        else:
-            group_scores = grouped.amax(dim=-1)
-        groups = group_scores.topk(topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, groups, True)
-        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, -1)
-        choice = choice.masked_fill(~keep, float("-inf"))
+        if topk_group < num_expert_group:
+            # With every group eligible (GLM-4.5: one group) the mask
+            # keeps all experts: seven kernels per layer for nothing.
+            choice = _mask_ineligible_groups(choice, num_expert_group,
+                                             topk_group,
+                                             e_score_correction_bias
+                                             is not None)
     elif top_k > num_experts:
         raise ValueError(
             f"top_k={top_k} is larger than the {num_experts} experts.")
