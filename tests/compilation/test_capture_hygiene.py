@@ -88,7 +88,8 @@ def test_capture_stream_waits_for_queued_work(npu):
     from vllm.distributed import (cleanup_dist_env_and_memory,
                                   init_distributed_environment,
                                   initialize_model_parallel)
-    from vllm.distributed.parallel_state import graph_capture
+    from vllm.distributed.parallel_state import (graph_capture,
+                                                 model_parallel_is_initialized)
 
     from vllm_ascend.worker.streams import use_npu_streams
 
@@ -96,12 +97,15 @@ def test_capture_stream_waits_for_queued_work(npu):
              ("Event", "Stream", "current_stream", "default_stream",
               "stream")}
     use_npu_streams()
+    # A 1-rank world, unless another test module's is still up.
+    own_world = not model_parallel_is_initialized()
     try:
-        with set_current_vllm_config(VllmConfig()):
-            init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
-                distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
-            initialize_model_parallel(1, 1)
+        if own_world:
+            with set_current_vllm_config(VllmConfig()):
+                init_distributed_environment(
+                    world_size=1, rank=0, local_rank=0, backend="gloo",
+                    distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
+                initialize_model_parallel(1, 1)
         queued_on = torch.npu.current_stream()
         with graph_capture(device=torch.device("cpu")) as context:
             assert torch.npu.current_stream() is context.stream
@@ -112,6 +116,7 @@ def test_capture_stream_waits_for_queued_work(npu):
             torch.mul(torch.ones(4), 2)
             graph.capture_end()
     finally:
-        cleanup_dist_env_and_memory()
+        if own_world:
+            cleanup_dist_env_and_memory()
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
