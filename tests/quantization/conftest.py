@@ -39,6 +39,10 @@ def dist_world() -> Iterator[None]:
     from vllm.distributed import (cleanup_dist_env_and_memory,
                                   init_distributed_environment,
                                   initialize_model_parallel)
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    if model_parallel_is_initialized():
+        yield  # another folder's 1-rank world (tests/ops) is up
+        return
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(
             world_size=1,
