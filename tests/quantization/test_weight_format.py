@@ -51,11 +51,6 @@ def test_expert_weights_are_nz(monkeypatch):
             assert weight.is_contiguous()
 
 
-@pytest.mark.xfail(
-    not w8a8_layers.EXPERT_LAYOUT, raises=RuntimeError, strict=True,
-    reason="needs the experts pre-transposed to contiguous [E, K, N] "
-    "(issue 28 S3-2): npu_grouped_matmul takes an NZ weight only as the "
-    "contiguous tensor that was cast, not a transposed view")
 def test_expert_matmuls_nz_equal_nd(monkeypatch):
     """Each expert weight, NZ as loaded, in the grouped matmul the expert
     MLP launches: the ND weights' output, bit for bit."""

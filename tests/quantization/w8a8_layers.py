@@ -90,13 +90,9 @@ NPU_FUNCTIONS = [
     (quant, "dynamic_quant", quant._dynamic_quant_npu),
     (quant, "static_quant", quant._static_quant_npu),
     (quant, "quant_matmul", quant._quant_matmul_npu),
+    (moe_fused, "expert_weight_layout",
+     moe_experts._expert_weight_layout_npu),
 ]
-# The experts' load-time layout for the NPU's kernels ([E, K, N]
-# contiguous, issue 28 S3-2), where the tree has it.
-EXPERT_LAYOUT = hasattr(moe_experts, "_expert_weight_layout_npu")
-if EXPERT_LAYOUT:
-    NPU_FUNCTIONS.append((moe_fused, "expert_weight_layout",
-                          moe_experts._expert_weight_layout_npu))
 
 
 @contextmanager
