@@ -12,7 +12,8 @@ syncs inside the step's device work (target forward, sampler and rejection
 sampler, every draft step) with their call sites, and the step's output
 read apart; the bytes each MoE exchange method hands over per token, with
 the dtype dispatched; the format of every int8 and float weight; and the
-host time per step outside the model forwards, with and without MTP.
+host time per step outside the device work (the model forwards, logits and
+sampling), with and without MTP.
 
 How: every engine runs in its own process with
 ``VLLM_ASCEND_DEVICE=npu VLLM_ASCEND_NPU_DOUBLE=1`` and the double's cost
@@ -177,6 +178,9 @@ class StepProbe:
             _wrap_call(drafter.model, *self._scoped(
                 "draft_forward", device=True, timed=True,
                 on_exit=self._next_draft))
+        # Logits and sampling are device work too: on the NPU they are a
+        # few launches of host time, in the double the whole computation.
+        self._time_device_work(runner, drafter)
         for name, label in (("_sample", "sample"),
                             ("propose_draft_token_ids", "draft"),
                             ("take_draft_token_ids", "output_read")):
@@ -191,6 +195,29 @@ class StepProbe:
             return self._step(original, scheduler_output, *args, **kwargs)
 
         runner.execute_model = execute_model
+
+    def _time_device_work(self, runner, drafter) -> None:
+        """Count the logits and the (rejection) sampler as device time, as
+        the forwards are: the host time per step is what is left."""
+
+        def timed(call: Callable) -> Callable:
+
+            def inner(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    self.forward_s += time.perf_counter() - start
+
+            return inner
+
+        for model in (runner.model, getattr(drafter, "model", None)):
+            if model is not None and hasattr(model, "compute_logits"):
+                model.compute_logits = timed(model.compute_logits)
+        for name in ("sampler", "rejection_sampler"):
+            module = getattr(runner, name, None)
+            if module is not None:
+                module.forward = timed(module.forward)
 
     def _wrap_method(self, runner, name: str, label: str) -> None:
         original = getattr(runner, name)
