@@ -25,7 +25,7 @@ from vllm.distributed import get_dp_group, get_ep_group, get_tp_group
 from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.forward_context import get_forward_context
 
-from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedMLP,
                                                    MoECommMethod)
 
 
@@ -99,5 +99,5 @@ class AllGatherMoEComm(MoECommMethod):
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
                 apply_router_weight_on_input: bool,
-                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
+                grouped: Optional[GroupedMLP] = None) -> torch.Tensor:
         return compute(x, topk_weights, topk_ids, expert_map)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed import get_ep_group
 
-from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedMLP,
                                                    MoECommMethod)
 from vllm_ascend.distributed.moe_comm.exchange import (owner_table, pair_rows,
                                                        tp_share, weighted_sum)
@@ -30,7 +30,7 @@ class AllToAllMoEComm(MoECommMethod):
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
                 apply_router_weight_on_input: bool,
-                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
+                grouped: Optional[GroupedMLP] = None) -> torch.Tensor:
         ep = get_ep_group()
         group = ep.device_group
         share = tp_share(x.shape[0], layer)

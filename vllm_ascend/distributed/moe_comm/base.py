@@ -50,9 +50,6 @@ class GroupedMLP:
         return self.run(rows, group_ends, row_scales)
 
 
-GroupedFn = GroupedMLP
-
-
 class MoECommMethod(ABC):
     name: str
     # Static shapes and no host reads: may run inside a captured graph.
@@ -71,5 +68,5 @@ class MoECommMethod(ABC):
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
                 apply_router_weight_on_input: bool,
-                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
+                grouped: Optional[GroupedMLP] = None) -> torch.Tensor:
         raise NotImplementedError

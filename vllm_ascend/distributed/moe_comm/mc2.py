@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed import get_ep_group
 
-from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedFn,
+from vllm_ascend.distributed.moe_comm.base import (ExpertsFn, GroupedMLP,
                                                    MoECommMethod)
 from vllm_ascend.distributed.moe_comm.exchange import (owner_table, pair_rows,
                                                        tp_share, weighted_sum)
@@ -47,7 +47,7 @@ class MC2MoEComm(MoECommMethod):
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor], compute: ExpertsFn,
                 apply_router_weight_on_input: bool,
-                grouped: Optional[GroupedFn] = None) -> torch.Tensor:
+                grouped: Optional[GroupedMLP] = None) -> torch.Tensor:
         if x.shape[0] > self.capacity:
             raise RuntimeError(
                 f"MC2 MoE method: {x.shape[0]} tokens on this rank exceed "

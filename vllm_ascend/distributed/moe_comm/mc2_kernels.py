@@ -26,7 +26,7 @@ from vllm.distributed import get_ep_group
 from vllm.logger import init_logger
 
 from vllm_ascend import device
-from vllm_ascend.distributed.moe_comm.base import GroupedFn
+from vllm_ascend.distributed.moe_comm.base import GroupedMLP
 
 logger = init_logger(__name__)
 
@@ -145,7 +145,7 @@ class FusedMC2Kernels:
 
     def experts(self, x: torch.Tensor, share: slice,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                num_experts: int, grouped: GroupedFn) -> torch.Tensor:
+                num_experts: int, grouped: GroupedMLP) -> torch.Tensor:
         """``x``'s rows ``share`` through the experts (``exchange.
         tp_share``); zeros elsewhere. For int8 experts the dispatch
         quantizes each token (quant_mode=2, dispatch_v2.md:143): int8 rows
