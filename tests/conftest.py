@@ -1,5 +1,6 @@
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def dist_world() -> Iterator[None]:
+    """A 1-rank world, for layers built outside an engine (vLLM's
+    parameters read their tensor-parallel rank)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (cleanup_dist_env_and_memory,
+                                  init_distributed_environment,
+                                  initialize_model_parallel)
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    if model_parallel_is_initialized():
+        yield  # a world another test set up is still up
+        return
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{tempfile.mkstemp()[1]}",
+            local_rank=0,
+            backend="gloo")
+        initialize_model_parallel(1, 1)
+    yield
+    cleanup_dist_env_and_memory()

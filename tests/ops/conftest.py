@@ -1,6 +1,5 @@
 """vLLM layers built outside an engine: a VllmConfig and a 1-rank world."""
 
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -13,24 +12,6 @@ import vllm_ascend
 def plugin_ops() -> None:
     """What vLLM's general-plugin loader does in every process."""
     vllm_ascend.register_ops()
-
-
-@pytest.fixture(scope="session")
-def dist_world() -> Iterator[None]:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (cleanup_dist_env_and_memory,
-                                  init_distributed_environment,
-                                  initialize_model_parallel)
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"file://{tempfile.mkstemp()[1]}",
-            local_rank=0,
-            backend="gloo")
-        initialize_model_parallel(1, 1)
-    yield
-    cleanup_dist_env_and_memory()
 
 
 @pytest.fixture
