@@ -52,11 +52,7 @@ def own_head() -> None:
     AscendMtpProposer.load_model = load_with_own_head
 
 
-def damaged_mtp_layer() -> None:
-    """The MTP layer's input projection (``eh_proj``, the layer's own
-    weights: not shared with the target) gets seeded noise of twice its
-    spread, as a corrupted checkpoint shard would: the draft guesses worse,
-    the greedy outputs stay the target's."""
+def _noisy_eh_proj(spread: float) -> None:
     import torch
 
     from vllm_ascend.spec_decode.mtp_proposer import AscendMtpProposer
@@ -71,10 +67,25 @@ def damaged_mtp_layer() -> None:
             for name, param in model.named_parameters():
                 if ".eh_proj." in name:
                     noise = torch.randn(param.shape, generator=generator)
-                    param.add_(2 * param.float().std() *
+                    param.add_(spread * param.float().std() *
                                noise.to(param.device, param.dtype))
 
     AscendMtpProposer.load_model = load_damaged
+
+
+def damaged_mtp_layer() -> None:
+    """The MTP layer's input projection (``eh_proj``, the layer's own
+    weights: not shared with the target) gets seeded noise of twice its
+    spread, as a corrupted checkpoint shard would: the draft guesses worse,
+    the greedy outputs stay the target's."""
+    _noisy_eh_proj(2.0)
+
+
+def collapsed_mtp_layer() -> None:
+    """The same with noise of 50 times the spread: the draft's guesses are
+    noise and its acceptance near 0 (what the speculation watchdog must
+    stop paying for)."""
+    _noisy_eh_proj(50.0)
 
 
 def all_kinds() -> None:

@@ -17,9 +17,11 @@ RUNNER = [sys.executable, "-m", "tests.utils.run_engine"]
 
 def run_engine(engine: dict, prompts: list[list[int]], sampling,
                env: dict | None = None, timeout: int = 600,
-               inspect: bool = False, setup: str | None = None) -> dict:
+               inspect: bool = False, setup: str | None = None,
+               log_match: str | None = None) -> dict:
     """Generate with vLLM (through our plugin) in a fresh process; with
-    ``inspect``, also report the runner's KV cache and draft weights."""
+    ``inspect``, also report the runner's KV cache and draft weights; with
+    ``log_match``, the engine's log lines holding it (``"log"``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json",
                                      delete=False) as spec:
         json.dump({"engine": engine, "prompts": prompts,
@@ -35,8 +37,14 @@ def run_engine(engine: dict, prompts: list[list[int]], sampling,
     if proc.returncode != 0:
         raise AssertionError(f"engine failed:\n{proc.stderr[-6000:]}")
     # The last JSON line: a worker process may log after it.
-    return json.loads(next(line for line in reversed(
+    result = json.loads(next(line for line in reversed(
         proc.stdout.strip().splitlines()) if line.startswith("{")))
+    if log_match is not None:
+        result["log"] = [
+            line for line in (proc.stdout + proc.stderr).splitlines()
+            if log_match in line
+        ]
+    return result
 
 
 def run_engines(jobs: dict, workers: int = 2) -> dict:
