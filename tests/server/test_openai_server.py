@@ -182,6 +182,25 @@ def test_spec_decode_metrics(served):
     # The trained MTP head accepts about 94% greedily (fixture README); a
     # broken drafter (wrong layer, lost hidden states) accepts about 0%.
     assert new_accepted / new_drafted > 0.5, after
+    # The speculation watchdog is on, and quiet on the trained head.
+    assert after["vllm:spec_decode_paused"] == 0, after
+    assert after["vllm:spec_decode_num_pauses_total"] == 0, after
+
+
+def test_request_turns_speculation_off(served):
+    """``vllm_xargs: {"num_speculative_tokens": 0}``: the request decodes
+    without drafts, to the same tokens; 1 caps it at k=1."""
+    expected = served.offline.result(timeout=STARTUP_TIMEOUT)["outputs"]
+    drafts = "vllm:spec_decode_num_drafts_total"
+    for cap, drafting in ((0, False), (1, True)):
+        before = spec_decode_metrics(served.server.get("/metrics"))
+        resp = _complete(served, prompt=served.prompts[:1], max_tokens=MAX_NEW,
+                         ignore_eos=True, return_token_ids=True,
+                         vllm_xargs={"num_speculative_tokens": cap})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == expected[0]
+        after = spec_decode_metrics(served.server.get("/metrics"))
+        assert (after[drafts] > before[drafts]) == drafting, (cap, after)
 
 
 BAD_REQUESTS = {
@@ -197,6 +216,9 @@ BAD_REQUESTS = {
     "max_tokens_negative": (dict(prompt=TEXT, max_tokens=-3),
                             "max_tokens must be at least 1"),
     "n_0": (dict(prompt=TEXT, n=0), "n must be at least 1"),
+    "negative_draft_cap": (
+        dict(prompt=TEXT, vllm_xargs={"num_speculative_tokens": -1}),
+        "num_speculative_tokens in extra_args (vllm_xargs)"),
 }
 
 

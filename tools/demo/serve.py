@@ -170,12 +170,14 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total",
 
 def spec_decode_metrics(metrics_text: str) -> dict[str, float]:
     """Sum the speculative-decoding counters of a Prometheus /metrics page
-    over their labels."""
+    over their labels, with the watchdog's gauge
+    (``vllm:spec_decode_paused``)."""
     out: dict[str, float] = {}
     pattern = re.compile(r"^(vllm:spec_decode_[a-z_]+)(\{[^}]*\})? (\S+)$")
     for line in metrics_text.splitlines():
         match = pattern.match(line)
-        if match and match.group(1).endswith("_total"):
+        if match and (match.group(1).endswith("_total")
+                      or match.group(1) == "vllm:spec_decode_paused"):
             name = match.group(1)
             out[name] = out.get(name, 0.0) + float(match.group(3))
     return out
