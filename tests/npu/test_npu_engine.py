@@ -79,6 +79,13 @@ def graph_mode_run(setup):
     return _npu(setup, inspect=True)
 
 
+# The speculation watchdog set to pause at its first window (a floor no
+# draft reaches) and to probe every few steps: speculation switches off
+# and on while the batch decodes.
+SWITCHING = dict(fallback_acceptance_floor=0.99, fallback_window=4,
+                 fallback_probe_interval=3)
+
+
 def _check_reference(got, setup):
     ref = setup[3]
     assert_equal_up_to_near_tie(got["outputs"], ref["outputs"],
@@ -119,13 +126,16 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
     (2, dict(num_gpu_blocks_override=3)),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
              num_gpu_blocks_override=3)),
-], ids=["k1-chunked", "k2-preempted", "k3-chunked-preempted"])
+], ids=["k1-chunked", "k2-preempted", "k3-chunked-preempted-switching"])
 def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
-    spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k)
+    spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k,
+                **(SWITCHING if k == 3 else {}))
     got = _npu(setup, inspect=True, speculative_config=spec, **mode)
     assert got["outputs"] == graph_mode_run["outputs"]
     metrics = got["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0
+    if k == 3:
+        assert metrics["vllm:spec_decode_num_pauses"] == 1, metrics
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
     if "num_gpu_blocks_override" in mode:
         assert metrics["vllm:num_preemptions"] > 0, metrics
@@ -189,11 +199,14 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
     reference stops at the first near-tie."""
     engine, prompts, sampling, reference = (
         request.getfixturevalue("setup_a3") if a3 else setup)
+    # Each rank's watchdog pauses and probes on its own schedule: a rank
+    # that skips its draft joins the other's draft collectives.
     engine = dict(engine, enable_expert_parallel=ep,
                   tensor_parallel_size=tp,
                   enforce_eager=method == "alltoall",
                   speculative_config=dict(method="glm4_moe_mtp",
-                                          num_speculative_tokens=k))
+                                          num_speculative_tokens=k,
+                                          **SWITCHING))
     env = {**NPU_ENV, TRACE_ENV: str(tmp_path / "trace.txt")}
     if a3:
         env["VLLM_ASCEND_NPU_DOUBLE_SOC_VERSION"] = "250"
@@ -207,6 +220,7 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
             out["outputs"], [reference["outputs"][i] for i in indices],
             [reference["logprobs"][i] for i in indices])
         assert out["metrics"]["vllm:spec_decode_num_drafts"] > 0
+        assert out["metrics"]["vllm:spec_decode_num_pauses"] == 1
     if REAL_NPU:
         return
     trace = (tmp_path / "trace.txt").read_text()

@@ -17,7 +17,7 @@ import json
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,6 +28,13 @@ from tools.bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,
 
 HISTOGRAMS = (DECODE_TIME, )
 RETRIES = 3
+# The speculation watchdog's metrics (vLLM patch 0013): a counter of pauses
+# and a gauge, 1 while speculation is paused.
+PAUSES = "vllm:spec_decode_num_pauses"
+PAUSED = "vllm:spec_decode_paused"
+# Its --speculative-config keys, reported as the engine resolved them.
+WATCHDOG_KEYS = ("fallback_acceptance_floor", "fallback_relative_floor",
+                 "fallback_window", "fallback_probe_interval")
 
 
 def emit(kind: str, payload: dict[str, Any]) -> None:
@@ -198,6 +205,17 @@ def hist_delta(before: dict, after: dict, name: str) -> dict[str, float]:
     return {"sum": a["sum"] - b["sum"], "count": a["count"] - b["count"]}
 
 
+def watchdog_state(before: dict, after: dict) -> Optional[dict[str, Any]]:
+    """Pauses of the speculation watchdog between two snapshots, and
+    whether speculation is paused at the second; None without its
+    metrics (a vLLM without the watchdog)."""
+    if PAUSES not in after and PAUSED not in after:
+        return None
+    paused = after.get(PAUSED)
+    return {"num_pauses": metric_delta(before, after, PAUSES),
+            "paused": None if paused is None else bool(paused)}
+
+
 def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     # Under data parallelism every rank must make the same generate calls
     # (their steps are collective): no re-measured pairs there.
@@ -206,6 +224,9 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": base[i % len(base)]}
                for i in range(batch)]
     n = spec["new_tokens"]
+    # The watchdog's pauses count from before the warm-up: a pause there
+    # shapes the timed runs too.
+    before_warmup = snapshot(llm)
     timed_generate(llm, prompts, spec["warmup_tokens"])
     start = snapshot(llm)
     forwards_before = llm.collective_rpc(_forward_stats)[0]
@@ -276,7 +297,25 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
             metric_delta(start, end, DRAFT_TOKENS) or 0,
             metric_delta(start, end, ACCEPTED) or 0,
             metric_delta(start, end, ACCEPTED_PER_POS))
+        watchdog = watchdog_state(before_warmup, end)
+        if watchdog is not None:
+            result["watchdog"] = watchdog
     return result
+
+
+def _watchdog_settings(llm) -> Optional[dict[str, Any]]:
+    """The watchdog's settings as the engine resolved them (None without
+    speculative decoding or without the watchdog's keys)."""
+    config = llm.llm_engine.vllm_config.speculative_config
+    if config is None or not hasattr(config, WATCHDOG_KEYS[0]):
+        return None
+    return {key: getattr(config, key) for key in WATCHDOG_KEYS}
+
+
+def setups(spec: dict) -> list[str]:
+    """The spec's ``setup``: one "module:function" or a list of them."""
+    value = spec.get("setup") or []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def main(spec_path: str) -> None:
@@ -284,20 +323,26 @@ def main(spec_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    if spec.get("setup"):
+    for setup in setups(spec):
         # "module:function" called before the engine starts (the engine core
         # runs in this process): a deliberate change a test injects.
         # The module imports from the repository root (on PYTHONPATH).
         import importlib
-        module, _, function = spec["setup"].partition(":")
+        module, _, function = setup.partition(":")
         getattr(importlib.import_module(module), function)()
     if spec.get("collectives"):
         collectives.install()
     engine = dict(spec["engine"])
     k = spec["num_speculative_tokens"]
     if k:
-        engine["speculative_config"] = {"method": spec["method"],
-                                        "num_speculative_tokens": k}
+        # Extra --speculative-config keys of this configuration (e.g. the
+        # speculation watchdog's fallback_*); method and k are the spec's.
+        engine["speculative_config"] = {
+            **spec.get("speculative_config", {}), "method": spec["method"],
+            "num_speculative_tokens": k
+        }
+    # As asked (vLLM fills the dict it is given with its configs).
+    speculative = dict(engine.get("speculative_config") or {}) or None
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
@@ -316,8 +361,16 @@ def main(spec_path: str) -> None:
                           result["decode_tokens_per_s"],
                           "acceptance": result.get("acceptance"),
                           "forward_time": result["forward_time"]})
+    end = snapshot(llm)
     emit("RESULT", {
         "num_speculative_tokens": k,
+        "speculative_config": speculative,
+        "setup": setups(spec),
+        "watchdog": None if not k else {
+            "settings": _watchdog_settings(llm),
+            "num_pauses": end.get(PAUSES),
+            "paused": None if end.get(PAUSED) is None else bool(end[PAUSED])
+        },
         "init_s": init_s,
         "torch_threads": torch.get_num_threads(),
         "memory": {"peak_rss_bytes": peak_rss_bytes(),

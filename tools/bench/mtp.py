@@ -4,6 +4,9 @@
     .venv/bin/python -m tools.bench.mtp --k 1,2 --batch-sizes 1,4
     .venv/bin/python -m tools.bench.mtp --baseline        # = --k "" \
         --batch-sizes 1,8: the plugin's no-MTP baseline
+    .venv/bin/python -m tools.bench.mtp --watchdog        # k=1 off vs on
+    .venv/bin/python -m tools.bench.mtp --collapsed       # and a collapsed
+        MTP layer: speculation watchdog off vs on vs no MTP
 
 Each engine configuration (no MTP, then MTP with each ``--k``) runs in a
 fresh process (``tools/bench/engine_child.py``) that, per batch size, makes
@@ -13,17 +16,37 @@ first token) and one with ``max_tokens=N``. Decode tokens/s of a pair is
 ``B * (N - 1) / (T_N - T_1)``; the median over the pairs is reported. The
 greedy outputs with MTP must equal those without; the table says so.
 Writes ``--out`` (JSON) and a PNG next to it. See benchmarks/README.md.
+
+``--watchdog`` runs each k twice: with vLLM's speculation watchdog off
+(``fallback_acceptance_floor: 0``: a draft at every step) and on
+(``k=K+wd``: vLLM's settings, but a window of ``--fallback-window``
+drafts, 32 by default, since these runs are short); ``--collapsed`` adds
+both again with the MTP layer collapsed (``COLLAPSED``, called in the MTP
+engines only). The table puts every ratio over no MTP side by side, with
+the watchdog's pauses. Without these flags nothing changes: each k runs
+with the engine's own speculative config (the watchdog on at vLLM's
+defaults), which never pauses a healthy draft; the table says so if it
+did.
 """
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tools.bench.report import format_table, write_json, write_plot
-from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig, default_out,
-                             int_list, run_benchmark)
+from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig, Variant,
+                             default_out, int_list, run_benchmark)
+
+# The setup that collapses the MTP layer's acceptance (--collapsed).
+COLLAPSED = "tests.nightly.injections:collapsed_mtp_layer"
+# --fallback-window's default, and vLLM's (SpeculativeConfig.
+# fallback_window; the parent does not import vLLM).
+FALLBACK_WINDOW = 32
+VLLM_FALLBACK_WINDOW = 256
+WATCHDOG_OFF = {"fallback_acceptance_floor": 0}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -63,7 +86,81 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true",
                    help="the plugin's no-MTP baseline: no MTP at batch 1 "
                    "and 8 (same as --k '' --batch-sizes 1,8)")
+    wd = p.add_argument_group(
+        "speculation watchdog", "compare each k with vLLM's speculation "
+        "watchdog off and on (benchmarks/README.md)")
+    wd.add_argument("--watchdog", action="store_true",
+                    help="run each k with the watchdog off "
+                    "(fallback_acceptance_floor 0) and on (k=K+wd)")
+    wd.add_argument("--collapsed", action="store_true",
+                    help="also both with the MTP layer collapsed "
+                    f"({COLLAPSED}) in the MTP engines; implies --watchdog")
+    wd.add_argument("--fallback-window", type=int, default=None,
+                    metavar="N",
+                    help="fallback_window of the k=K+wd configs (default "
+                    f"{FALLBACK_WINDOW}; vLLM's is {VLLM_FALLBACK_WINDOW}, "
+                    "longer than these runs); implies --watchdog")
+    wd.add_argument("--watchdog-config", type=json_object, default=None,
+                    metavar="JSON",
+                    help="more --speculative-config keys for the k=K+wd "
+                    "configs, e.g. '{\"fallback_probe_interval\": 64}'; "
+                    "implies --watchdog")
     return p.parse_args(argv)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got "
+                                         f"{text!r}")
+    return value
+
+
+def watchdog_requested(args: argparse.Namespace) -> bool:
+    return bool(args.watchdog or args.collapsed
+                or args.fallback_window is not None
+                or args.watchdog_config is not None)
+
+
+def variants_from_args(
+        args: argparse.Namespace,
+        cfg: BenchConfig) -> tuple[Optional[list[Variant]], Optional[dict]]:
+    """The engine configurations of a watchdog comparison and its
+    description for the report; (None, None) without one (the default
+    configurations: no MTP, then each k)."""
+    if not watchdog_requested(args):
+        return None, None
+    if not cfg.ks:
+        raise ValueError("--watchdog and --collapsed need at least one --k")
+    window = (FALLBACK_WINDOW
+              if args.fallback_window is None else args.fallback_window)
+    if window < 1:
+        raise ValueError(f"--fallback-window must be >= 1, got {window}")
+    extra = dict(args.watchdog_config or {})
+    if "fallback_window" in extra:
+        raise ValueError("give the window with --fallback-window, not in "
+                         "--watchdog-config")
+    if extra.get("fallback_acceptance_floor") == 0:
+        raise ValueError("--watchdog-config: fallback_acceptance_floor 0 "
+                         "turns the k=K+wd configs' watchdog off")
+    on = {**extra, "fallback_window": window}
+    layers = [("", None)] + ([("_collapsed", COLLAPSED)]
+                             if args.collapsed else [])
+    variants = [Variant(0)]
+    for suffix, setup in layers:
+        for k in sorted(set(cfg.ks)):
+            variants += [
+                Variant(k, f"mtp_k{k}{suffix}", dict(WATCHDOG_OFF), setup),
+                Variant(k, f"mtp_k{k}+wd{suffix}", dict(on), setup),
+            ]
+    info = {"fallback_window": window,
+            "default_window": VLLM_FALLBACK_WINDOW, "extra": extra,
+            "collapsed": COLLAPSED if args.collapsed else None}
+    return variants, info
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -88,9 +185,12 @@ def main(argv: Optional[list[str]] = None,
     cfg = config_from_args(args)
     out = args.out or default_out()
     try:
-        results = run_benchmark(cfg, out.with_suffix(".logs"))
+        variants, watchdog = variants_from_args(args, cfg)
+        results = run_benchmark(cfg, out.with_suffix(".logs"), variants)
     except ValueError as e:
         raise SystemExit(f"tools.bench.mtp: {e}") from None
+    if watchdog:
+        results["watchdog"] = watchdog
     write_json(results, out)
     emit(format_table(results))
     emit(f"timing: {TIMING_METHOD}")

@@ -55,7 +55,21 @@ def format_table(results: dict[str, Any]) -> str:
     """Decode tokens/s per config and batch size (median, wall clock), the
     MTP/no-MTP ratios side by side (wall clock, and per CPU second of the
     engine process, which a busy host inflates less), acceptance, identity,
-    then memory per config."""
+    then memory per config. A run with the speculation watchdog's
+    configurations (``results["watchdog"]``, ``tools.bench.mtp
+    --watchdog``) puts only the ratios side by side, then a row per MTP
+    config and batch with the watchdog's pauses."""
+    if results.get("watchdog"):
+        return format_watchdog_tables(results)
+    lines = [_ratio_table(results), "", _detail_table(results), "",
+             _memory_table(results), "", _identity_line(results)]
+    note = _unplanned_pauses(results)
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def _ratio_table(results: dict[str, Any]) -> str:
     configs = results["configs"]
     ratio = {(r["config"], r["batch_size"]): r
              for r in results["comparison"]}
@@ -82,7 +96,10 @@ def format_table(results: dict[str, Any]) -> str:
                 ("yes" if cmp["outputs_identical"] else "NO"),
             ]
         rows.append(row)
-    lines = [grid(header, rows)]
+    return grid(header, rows)
+
+
+def _detail_table(results: dict[str, Any]) -> str:
     detail_header = ["config", "batch", "median tok/s", "best tok/s",
                      "tok/CPU-s", "vLLM-timed tok/s", "T_N s", "T_1 s"]
     detail = [[c["name"], str(b["batch_size"]),
@@ -92,12 +109,15 @@ def format_table(results: dict[str, Any]) -> str:
                fmt(b.get("vllm_decode_tokens_per_s"), ".1f"),
                fmt(b["median_t_full_s"], ".3f"),
                fmt(b["median_t_one_s"], ".3f")]
-              for c in configs for b in c["batches"]]
-    lines += ["", grid(detail_header, detail)]
+              for c in results["configs"] for b in c["batches"]]
+    return grid(detail_header, detail)
+
+
+def _memory_table(results: dict[str, Any]) -> str:
     mem_header = ["config", "peak RSS MiB", "weights MiB", "drafter MiB",
                   "KV cache MiB", "init s"]
     mem_rows = []
-    for c in configs:
+    for c in results["configs"]:
         m = c["memory"]
         kv = m.get("kv_cache_bytes_configured")
         mem_rows.append([
@@ -106,12 +126,139 @@ def format_table(results: dict[str, Any]) -> str:
             f"{m['drafter_weights_bytes'] / MiB:.2f}",
             "-" if kv is None else f"{kv / MiB:.0f}", f"{c['init_s']:.1f}"
         ])
-    lines += ["", grid(mem_header, mem_rows)]
+    return grid(mem_header, mem_rows)
+
+
+def _identity_line(results: dict[str, Any]) -> str:
     identical = results["outputs_identical"]
-    lines += ["", "greedy outputs with MTP identical to without: " +
-              {True: "yes", False: "NO (see comparison)",
-               None: "not checked (no pair of configs)"}[identical]]
+    return ("greedy outputs with MTP identical to without: " +
+            {True: "yes", False: "NO (see comparison)",
+             None: "not checked (no pair of configs)"}[identical])
+
+
+def _pauses(batch: dict[str, Any]) -> Optional[int]:
+    return (batch.get("watchdog") or {}).get("num_pauses")
+
+
+def _unplanned_pauses(results: dict[str, Any]) -> Optional[str]:
+    """A note when vLLM's speculation watchdog, left at its defaults in a
+    config, paused speculation there: that config's figures then mix steps
+    with and without drafts (they do not on a healthy draft, whose
+    acceptance is far above the watchdog's floor)."""
+    paused = []
+    for c in results["configs"]:
+        extra = c.get("speculative_config") or {}
+        if not c["num_speculative_tokens"] or (
+                "fallback_acceptance_floor" in extra):
+            continue
+        at = [str(b["batch_size"]) for b in c["batches"] if _pauses(b)]
+        if at:
+            paused.append(f"{c['name']} (batch {', '.join(at)})")
+    if not paused:
+        return None
+    return ("note: vLLM's speculation watchdog (on by default) paused "
+            "speculation in " + "; ".join(paused) + ": those MTP figures "
+            "mix steps with and without drafts; compare the watchdog off "
+            "and on with --watchdog (benchmarks/README.md)")
+
+
+def short_label(name: str) -> str:
+    """``mtp_k1+wd_collapsed`` -> ``k=1+wd collapsed``."""
+    if name.startswith("mtp_k"):
+        name = "k=" + name[len("mtp_k"):]
+    return name.replace("_", " ")
+
+
+def format_watchdog_tables(results: dict[str, Any]) -> str:
+    """The speculation watchdog's comparison: per batch size, the tokens/s
+    of no MTP and every MTP config's ratio over it side by side (wall
+    clock / CPU time); per MTP config and batch, acceptance, drafts, the
+    watchdog's pauses and whether it is paused; then the detail, memory
+    and identity as in ``format_table``, and what each config was."""
+    configs = results["configs"]
+    base = next((c for c in configs if not c["num_speculative_tokens"]),
+                None)
+    mtp = [c for c in configs if c["num_speculative_tokens"]]
+    ratio = {(r["config"], r["batch_size"]): r
+             for r in results["comparison"]}
+
+    def cell(name: str, batch: int) -> str:
+        r = ratio.get((name, batch))
+        if r is None:
+            return "-"
+        return f"{r['speedup']:.2f}x / {r['speedup_cpu']:.2f}x"
+
+    header = ["batch"] + ([f"{base['name']} tok/s"] if base else []) + [
+        short_label(c["name"]) for c in mtp
+    ]
+    rows = []
+    for i, batch in enumerate(results["settings"]["batch_sizes"]):
+        row = [str(batch)]
+        if base:
+            row.append(fmt(base["batches"][i]["decode_tokens_per_s"], ".1f"))
+        row += [cell(c["name"], batch) for c in mtp]
+        rows.append(row)
+    lines = ["decode tokens/s over no MTP (wall clock / CPU time):",
+             grid(header, rows), ""]
+    per_header = ["config", "batch", "tok/s", "ratio", "cpu ratio", "acc",
+                  "len", "drafts", "pauses", "paused", "same"]
+    per = []
+    for c in mtp:
+        for b in c["batches"]:
+            acc = b.get("acceptance") or {}
+            wd = b.get("watchdog") or {}
+            cmp = ratio.get((c["name"], b["batch_size"]))
+            paused = wd.get("paused")
+            per.append([
+                short_label(c["name"]), str(b["batch_size"]),
+                fmt(b["decode_tokens_per_s"], ".1f"),
+                fmt(cmp and cmp["speedup"], ".2f") + ("x" if cmp else ""),
+                fmt(cmp and cmp["speedup_cpu"], ".2f") + ("x" if cmp else ""),
+                fmt(acc.get("acceptance_rate"), ".1%"),
+                fmt(acc.get("mean_acceptance_length"), ".2f"),
+                fmt(acc.get("num_drafts"), ".0f"),
+                fmt(wd.get("num_pauses"), ".0f"),
+                "-" if paused is None else ("yes" if paused else "no"),
+                "-" if cmp is None else
+                ("yes" if cmp["outputs_identical"] else "NO"),
+            ])
+    lines += [grid(per_header, per), "", _detail_table(results), "",
+              _memory_table(results), "", _identity_line(results)]
+    lines += watchdog_notes(results)
     return "\n".join(lines)
+
+
+def watchdog_notes(results: dict[str, Any]) -> list[str]:
+    """What the watchdog comparison's configs were, from what each engine
+    resolved."""
+    info = results["watchdog"]
+    on = next((c for c in results["configs"]
+               if "+wd" in c["name"]), None)
+    settings = ((on or {}).get("watchdog") or {}).get("settings") or {}
+    resolved = ", ".join(f"{key} {value}"
+                         for key, value in settings.items()
+                         if key != "fallback_window")
+    lines = [
+        "k=K: fallback_acceptance_floor 0, the watchdog off: a draft at "
+        "every step (fixed k).",
+        "k=K+wd: the watchdog on, " +
+        (f"{resolved} as the engine resolved them"
+         if resolved else "its settings not reported") +
+        (f" (with {json.dumps(info['extra'])} from --watchdog-config)"
+         if info.get("extra") else " (vLLM's defaults)") +
+        f", and fallback_window {info['fallback_window']} "
+        f"(--fallback-window; vLLM's default is {info['default_window']} "
+        "drafts, more than these short runs make).",
+    ]
+    if info.get("collapsed"):
+        lines.append(f"collapsed: {info['collapsed']} called in the MTP "
+                     "engines before they start (the no-MTP engine is "
+                     "unaffected): the draft's acceptance is near 0.")
+    lines.append("drafts: drafts verified in the timed runs; pauses: times "
+                 "the watchdog paused speculation from the warm-up to the end "
+                 "of that batch's timed runs (vllm:spec_decode_num_pauses); "
+                 "paused: vllm:spec_decode_paused at the end of them.")
+    return lines
 
 
 def grid(header: list[str], rows: list[list[str]]) -> str:

@@ -48,6 +48,8 @@ TIMING_METHOD = (
     "B*(N-1) / mean of vLLM's per-request decode time (last token - first "
     "token) over the N-token runs")
 SCHEMA_VERSION = 1
+# The warning of vLLM's speculation watchdog when it pauses speculation.
+WATCHDOG_PAUSED = "Speculative decoding paused"
 
 
 @dataclasses.dataclass
@@ -100,6 +102,34 @@ class BenchConfig:
             raise ValueError("--threads must be >= 0 (0: torch's default)")
         if self.repeats < 1 or self.warmup_tokens < 1:
             raise ValueError("--repeats and --warmup-tokens must be >= 1")
+
+
+@dataclasses.dataclass
+class Variant:
+    """One engine configuration of a run: ``k`` draft tokens (0: no MTP),
+    extra ``--speculative-config`` keys, and a setup ("module:function")
+    called in this engine only, after ``BenchConfig.setup``. The default
+    run is no MTP, then MTP with each of ``BenchConfig.ks``, without
+    either."""
+    k: int
+    # The config's name in the table, the JSON and the log file; default
+    # ``config_name(k)``.
+    name: Optional[str] = None
+    speculative: dict[str, Any] = dataclasses.field(default_factory=dict)
+    setup: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            self.name = config_name(self.k)
+        clash = {"method", "num_speculative_tokens"} & set(self.speculative)
+        if clash:
+            raise ValueError(f"{self.name}: {sorted(clash)} come from the "
+                             "benchmark's --method and --k")
+
+
+def default_variants(cfg: BenchConfig) -> list[Variant]:
+    """No MTP, then MTP with each k of ``cfg.ks``."""
+    return [Variant(k) for k in [0] + sorted(set(cfg.ks))]
 
 
 def load_prompts(cfg: BenchConfig) -> tuple[list[list[int]], str]:
@@ -170,18 +200,31 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
-               log_path: Path) -> dict[str, Any]:
-    """One engine configuration in a fresh process; its result dict."""
+               log_path: Path,
+               variant: Optional[Variant] = None) -> dict[str, Any]:
+    """One engine configuration in a fresh process; its result dict.
+    ``variant`` (its k must be ``k``) adds ``--speculative-config`` keys, a
+    setup of this engine and a name."""
+    variant = variant or Variant(k)
+    if variant.k != k:
+        raise ValueError(f"{variant.name}: k {variant.k} != {k}")
     spec = {"engine": engine_kwargs(cfg, prompts), "method": cfg.method,
             "num_speculative_tokens": k, "prompts": prompts,
             "batch_sizes": cfg.batch_sizes, "new_tokens": cfg.new_tokens,
             "repeats": cfg.repeats, "warmup_tokens": cfg.warmup_tokens,
             "threads": cfg.threads, "setup": cfg.setup}
+    if variant.speculative:
+        spec["speculative_config"] = dict(variant.speculative)
+    if variant.setup:
+        spec["setup"] = [s for s in (cfg.setup, variant.setup) if s]
     env = dict(os.environ, VLLM_ASCEND_DEVICE=cfg.device,
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # vLLM logs to stdout by default, where the child's protocol lines go
+    # and anything else is dropped: its log goes to the engine's log file.
+    env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
-    name = config_name(k)
+    name = variant.name
     with tempfile.NamedTemporaryFile("w", suffix=".json",
                                      delete=False) as f:
         json.dump(spec, f)
@@ -211,6 +254,10 @@ def run_config(cfg: BenchConfig, k: int, prompts: list[list[int]],
                            f"{log_path}:\n{tail}")
     result["name"] = name
     result["log"] = str(log_path)
+    for line in log_path.read_text(errors="replace").splitlines():
+        if WATCHDOG_PAUSED in line:
+            # vLLM's speculation watchdog warns once per pause.
+            logger.warning("%s: %s", name, line[line.index(WATCHDOG_PAUSED):])
     return result
 
 
@@ -231,18 +278,25 @@ def _log_progress(name: str, event: dict[str, Any]) -> None:
                     "" if rate is None else f", acceptance {rate:.1%}", cost)
 
 
-def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
+def run_benchmark(cfg: BenchConfig, log_dir: Path,
+                  variants: Optional[list[Variant]] = None) -> dict[str, Any]:
     """Run every configuration and return the results (the JSON's content).
-    Child logs go to ``log_dir``."""
+    ``variants``: the engine configurations, in order (default: no MTP,
+    then MTP with each of ``cfg.ks``); ratios are over the first without
+    MTP. Child logs go to ``log_dir``."""
     cfg.validate()
+    if variants is None:
+        variants = default_variants(cfg)
+    else:
+        _check_variants(cfg, variants)
     prompts, source = load_prompts(cfg)
     configs = []
-    for k in [0] + sorted(set(cfg.ks)):
+    for variant in variants:
         logger.info("%s: starting (batch sizes %s, %d new tokens, %d "
-                    "repeats)", config_name(k), cfg.batch_sizes,
+                    "repeats)", variant.name, cfg.batch_sizes,
                     cfg.new_tokens, cfg.repeats)
-        configs.append(run_config(cfg, k, prompts,
-                                  log_dir / f"{config_name(k)}.log"))
+        configs.append(run_config(cfg, variant.k, prompts,
+                                  log_dir / f"{variant.name}.log", variant))
     comparison = compare(configs)
     for c in configs:
         for b in c["batches"]:
@@ -256,7 +310,8 @@ def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
         "settings": {**{k: (str(v) if isinstance(v, Path) else v)
                         for k, v in dataclasses.asdict(cfg).items()},
                      "timing_method": TIMING_METHOD,
-                     "engine": engine_kwargs(cfg, prompts)},
+                     "engine": engine_kwargs(cfg, prompts),
+                     "variants": [dataclasses.asdict(v) for v in variants]},
         "prompts": {"source": source, "count": len(prompts),
                     "mean_len": sum(map(len, prompts)) / len(prompts)},
         "configs": configs,
@@ -265,6 +320,17 @@ def run_benchmark(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
         all(r["outputs_identical"] for r in comparison)
         if comparison else None,
     }
+
+
+def _check_variants(cfg: BenchConfig, variants: list[Variant]) -> None:
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configuration names must differ: {names}")
+    if any(v.k < 0 for v in variants) or max(
+            (v.k for v in variants), default=0) > max(cfg.ks, default=0):
+        # engine_kwargs sizes max_model_len for the largest of cfg.ks.
+        raise ValueError(f"every configuration's k must be in 0..max(--k) "
+                         f"({max(cfg.ks, default=0)}): {names}")
 
 
 def _machine(device: str, configs: list[dict[str, Any]]) -> dict[str, Any]:
