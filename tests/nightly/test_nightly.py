@@ -15,6 +15,7 @@ import pytest
 
 from tools.nightly import run as nightly
 from tools.nightly.check import TOLERANCES, check_figure, compare
+from tools.nightly.figures import collapsed
 
 ROOT = Path(__file__).resolve().parents[2]
 # `python -m tools.nightly`, run from the repository root (cwd=ROOT).
@@ -136,6 +137,23 @@ def test_tolerance_kinds():
     # A figure the baseline has and the run lost is a regression.
     rows = compare({}, {"figures": {"x": 1}, "tolerances": []})
     assert rows[0].regression and rows[0].status == "REGRESSION"
+
+
+def test_collapsed_run_figures_and_their_tolerances():
+    """The collapsed-MTP-layer run's figures: the watchdog's pauses (exact:
+    a second pause, or none, is a regression) and MTP over no MTP."""
+    result = {"configs": [
+        {"num_speculative_tokens": 0},
+        {"num_speculative_tokens": 1, "watchdog": {"num_pauses": 1}}],
+        "comparison": [{"batch_size": 16, "speedup": 0.97}]}
+    figures = collapsed(result)
+    assert figures == {"watchdog.collapsed.k1.pauses": 1,
+                       "speed.collapsed.b16.k1.mtp_over_no_mtp": 0.97}
+    baseline = {"figures": figures}
+    assert not any(r.regression for r in compare(figures, baseline))
+    for now in ({**figures, "watchdog.collapsed.k1.pauses": 0},
+                {**figures, "speed.collapsed.b16.k1.mtp_over_no_mtp": 0.5}):
+        assert any(r.regression for r in compare(now, baseline)), now
 
 
 def test_committed_baselines_use_the_default_tolerances():

@@ -82,6 +82,11 @@ def collect(runs: dict[str, dict[str, Any]],
             if k and big and big.get("acceptance"):
                 _acceptance(figures, tag, big["acceptance"],
                             (reference or {}).get(k))
+            if k and (config.get("watchdog") or {}).get(
+                    "num_pauses") is not None:
+                # The speculation watchdog never pauses the trained head.
+                figures[f"watchdog.{tag}.pauses"] = config["watchdog"][
+                    "num_pauses"]
             if k:
                 shares = set(config.get("draft_shares") or ())
                 figures[f"invariant.{tag}.draft_shares_embed_and_head"] = int(
@@ -113,3 +118,21 @@ def _acceptance(figures: dict[str, float], tag: str, got: dict[str, Any],
             100 * ref["acceptance_rate"])
         figures[f"acceptance.{tag}.minus_reference"] = (
             100 * (got["acceptance_rate"] - ref["acceptance_rate"]))
+
+
+def collapsed(result: dict[str, Any]) -> dict[str, float]:
+    """Figures of the collapsed-MTP-layer run (no MTP, then MTP with the
+    watchdog on and a collapsed MTP layer): the watchdog's pauses, and
+    tokens/s over no MTP per batch size (it must stay near 1)."""
+    figures: dict[str, float] = {}
+    for config in result["configs"]:
+        k = config["num_speculative_tokens"]
+        if not k:
+            continue
+        pauses = (config.get("watchdog") or {}).get("num_pauses")
+        if pauses is not None:
+            figures[f"watchdog.collapsed.k{k}.pauses"] = pauses
+    for row in result.get("comparison", []):
+        figures[f"speed.collapsed.b{row['batch_size']}.k1.mtp_over_no_mtp"] = (
+            row["speedup"])
+    return figures

@@ -43,12 +43,16 @@ from typing import Any, Optional
 
 from tools.bench import run as bench
 from tools.nightly.check import TOLERANCES, compare, table
-from tools.nightly.figures import collect
+from tools.nightly.figures import collapsed, collect
 from tools.nightly.trend import write_trend
 
 logger = logging.getLogger("tools.nightly")
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_VERSION = 1
+COLLAPSED_SETUP = "tests.nightly.injections:collapsed_mtp_layer"
+# Drafts per watchdog measurement in the collapsed run (vLLM's default of
+# 256 is longer than the run).
+COLLAPSED_WINDOW = 16
 
 
 @dataclasses.dataclass
@@ -59,6 +63,9 @@ class Plan:
     new_tokens: int
     repeats: int
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Also a run with a collapsed MTP layer: the speculation watchdog must
+    # pause within its window and keep tokens/s near no MTP.
+    collapsed: bool = False
 
 
 PLANS = {
@@ -67,7 +74,8 @@ PLANS = {
     "full": Plan(modes={"eager": [1, 2, 3], "PIECEWISE": [1],
                         "FULL_DECODE_ONLY": [1],
                         "FULL_AND_PIECEWISE": [1, 2, 3]},
-                 batch_sizes=[1, 16], new_tokens=32, repeats=3),
+                 batch_sizes=[1, 16], new_tokens=32, repeats=3,
+                 collapsed=True),
     # One config, for CI.
     "smoke": Plan(modes={"FULL_AND_PIECEWISE": [1]}, batch_sizes=[1, 16],
                   new_tokens=16, repeats=2),
@@ -216,6 +224,21 @@ def measure(args: argparse.Namespace, plan: Plan,
                                       plan.new_tokens)
     figures, details = collect(runs, reference,
                                accuracy_batch=max(plan.batch_sizes))
+    if plan.collapsed:
+        logger.info("collapsed MTP layer: no MTP and MTP k=1 with the "
+                    "speculation watchdog (window %d)", COLLAPSED_WINDOW)
+        cfg = bench.BenchConfig(
+            model=args.model, ks=[1], batch_sizes=plan.batch_sizes,
+            new_tokens=plan.new_tokens, repeats=plan.repeats,
+            device=args.device, keep_outputs=False, setup=args.setup,
+            engine_overrides=plan.engine, prompts_file=prompts_file)
+        runs["collapsed"] = bench.run_benchmark(
+            cfg, out_logs / "collapsed", variants=[
+                bench.Variant(0),
+                bench.Variant(1, speculative={
+                    "fallback_window": COLLAPSED_WINDOW},
+                              setup=COLLAPSED_SETUP)])
+        figures.update(collapsed(runs["collapsed"]))
     if not args.smoke and not args.skip_step_cost:
         figures.update(step_cost_figures(out_logs / "step-cost.json"))
     for result in runs.values():
