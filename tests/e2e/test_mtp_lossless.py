@@ -2,7 +2,8 @@
 
 Sixteen prompts decoded together, with k = 1, 2 and 3 draft tokens, with
 chunked prefill, and with preemption forced by a KV cache too small for the
-batch: every output equals the output without MTP. The k = 1 run also shows
+batch (k = 3 with the draft length chosen per step, 0 to 3): every output
+equals the output without MTP. The k = 1 run also shows
 that the draft shares the target's KV cache pool, block tables, embedding
 and LM head.
 """
@@ -35,9 +36,10 @@ def setup(tmp_path_factory):
     return engine, prompts, sampling, baseline
 
 
-def _run_mtp(setup, k, **mode):
+def _run_mtp(setup, k, adaptive=False, **mode):
     engine, prompts, sampling, _ = setup
-    spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k)
+    spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k,
+                adaptive_draft_length=adaptive)
     return run_engine(dict(engine, speculative_config=spec, **mode), prompts,
                       sampling, inspect=True)
 
@@ -48,16 +50,20 @@ def k1_run(setup):
                     max_num_batched_tokens=48)
 
 
-def _check(got, baseline, k):
+def _check(got, baseline, k, adaptive=False):
     assert got["outputs"] == baseline
     assert len(baseline[-1]) == 256 - 250
     metrics = got["metrics"]
     # Drafts were really proposed and verified: k per draft, except where
     # the scheduler cut them at max_model_len.
     drafts = metrics["vllm:spec_decode_num_drafts"]
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
     assert drafts > 0
-    assert (k - 1) * drafts < metrics[
-        "vllm:spec_decode_num_draft_tokens"] <= k * drafts
+    if adaptive:
+        # The length chosen per step: shorter drafts than k, too.
+        assert drafts <= draft_tokens < k * drafts
+    else:
+        assert (k - 1) * drafts < draft_tokens <= k * drafts
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
 
 
@@ -70,11 +76,11 @@ def test_k1_chunked_prefill(setup, k1_run):
     pytest.param(2, dict(num_gpu_blocks_override=24),
                  marks=pytest.mark.heavy),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
-             num_gpu_blocks_override=24)),
-], ids=["k2-preempted", "k3-chunked-preempted"])
+             num_gpu_blocks_override=24, adaptive=True)),
+], ids=["k2-preempted", "k3-chunked-preempted-adaptive"])
 def test_mtp_outputs_equal_no_mtp(setup, k, mode):
     got = _run_mtp(setup, k, **mode)
-    _check(got, setup[3], k)
+    _check(got, setup[3], k, mode.get("adaptive", False))
     assert got["metrics"]["vllm:num_preemptions"] > 0, got["metrics"]
 
 

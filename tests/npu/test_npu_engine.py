@@ -128,14 +128,20 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
              num_gpu_blocks_override=3)),
 ], ids=["k1-chunked", "k2-preempted", "k3-chunked-preempted-switching"])
 def test_mtp_outputs_equal_no_mtp(setup, graph_mode_run, k, mode):
+    # k = 2: the draft length chosen per step (0 to 2 tokens, the verify
+    # batches in and out of the captured sizes); k = 3: the watchdog
+    # switching.
     spec = dict(method="glm4_moe_mtp", num_speculative_tokens=k,
-                **(SWITCHING if k == 3 else {}))
+                adaptive_draft_length=k == 2, **(SWITCHING if k == 3 else {}))
     got = _npu(setup, inspect=True, speculative_config=spec, **mode)
     assert got["outputs"] == graph_mode_run["outputs"]
     metrics = got["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     if k == 3:
         assert metrics["vllm:spec_decode_num_pauses"] == 1, metrics
+    if k == 2:
+        assert metrics["vllm:spec_decode_num_draft_tokens"] < (
+            2 * metrics["vllm:spec_decode_num_drafts"]), metrics
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k
     if "num_gpu_blocks_override" in mode:
         assert metrics["vllm:num_preemptions"] > 0, metrics
@@ -199,13 +205,16 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
     reference stops at the first near-tie."""
     engine, prompts, sampling, reference = (
         request.getfixturevalue("setup_a3") if a3 else setup)
-    # Each rank's watchdog pauses and probes on its own schedule: a rank
-    # that skips its draft joins the other's draft collectives.
+    # Each rank's watchdog pauses and probes, and its draft length policy
+    # chooses, on its own schedule: a rank that skips its draft joins the
+    # other's draft collectives, and every rank drafts the configured
+    # length (its scheduler keeps what it chose).
     engine = dict(engine, enable_expert_parallel=ep,
                   tensor_parallel_size=tp,
                   enforce_eager=method == "alltoall",
                   speculative_config=dict(method="glm4_moe_mtp",
                                           num_speculative_tokens=k,
+                                          adaptive_draft_length=True,
                                           **SWITCHING))
     env = {**NPU_ENV, TRACE_ENV: str(tmp_path / "trace.txt")}
     if a3:
