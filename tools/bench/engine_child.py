@@ -216,7 +216,65 @@ def watchdog_state(before: dict, after: dict) -> Optional[dict[str, Any]]:
             "paused": None if paused is None else bool(paused)}
 
 
-def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
+def _draft_length_policy(llm):
+    """The scheduler's adaptive draft length policy (vLLM patch 0015,
+    ``adaptive_draft_length: true``), or None: without it, or with the
+    engine core in another process."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    policy = getattr(scheduler, "draft_length_policy", None)
+    return (scheduler, policy) if policy is not None else (None, None)
+
+
+def install_draft_length_counter(llm) -> Optional[list[int]]:
+    """With an adaptive draft length: count the decode steps (no prefill in
+    the step) per draft length the scheduler gave the runner (0..k, a
+    pause of the watchdog as 0), in a list that grows as the engine runs;
+    None without an adaptive draft length."""
+    scheduler, policy = _draft_length_policy(llm)
+    if policy is None:
+        return None
+    steps = [0] * (policy.max_draft_length + 1)
+    original = scheduler._observe_step_time
+
+    def counted(scheduler_output) -> None:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if all(n == 1 + len(spec.get(req_id, ())) for req_id, n in
+               scheduler_output.num_scheduled_tokens.items()):
+            length = scheduler_output.draft_length
+            steps[policy.max_draft_length if length is None else length] += 1
+        original(scheduler_output)
+
+    scheduler._observe_step_time = counted
+    return steps
+
+
+def draft_length_state(llm, batch: int, steps_before: list[int],
+                       steps_after: list[int]) -> dict[str, Any]:
+    """The adaptive policy's choices between two counts (decode steps per
+    draft length) and what it knows at the end: per draft length, the measured
+    step time of this batch's bucket and its samples; per position, the
+    acceptance given the one before; the expected tokens per request of a
+    step verifying k drafts."""
+    from vllm.v1.spec_decode.draft_length import batch_bucket
+    _, policy = _draft_length_policy(llm)
+    lengths = range(policy.max_draft_length + 1)
+    times = {k: policy._times.get((batch_bucket(batch), k)) for k in lengths}
+    return {
+        "steps_per_length": [a - b for a, b in zip(steps_after,
+                                                    steps_before)],
+        "step_ms": [None if times[k] is None or not times[k][1] else
+                    1000 * times[k][0] for k in lengths],
+        "step_samples": [0 if times[k] is None else int(times[k][1])
+                         for k in lengths],
+        "acceptance_per_pos": [policy.acceptance(i)
+                               for i in range(policy.max_draft_length)],
+        "expected_tokens": [policy.expected_tokens(k) for k in lengths],
+    }
+
+
+def run_batch(llm, spec: dict, batch: int,
+              draft_steps: Optional[list[int]] = None) -> dict[str, Any]:
     # Under data parallelism every rank must make the same generate calls
     # (their steps are collective): no re-measured pairs there.
     retries = spec.get("retries", RETRIES)
@@ -229,6 +287,7 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
     before_warmup = snapshot(llm)
     timed_generate(llm, prompts, spec["warmup_tokens"])
     start = snapshot(llm)
+    steps_before = list(draft_steps or [])
     forwards_before = llm.collective_rpc(_forward_stats)[0]
     collectives_before = collectives.totals()
     window_start = time.perf_counter()
@@ -300,6 +359,10 @@ def run_batch(llm, spec: dict, batch: int) -> dict[str, Any]:
         watchdog = watchdog_state(before_warmup, end)
         if watchdog is not None:
             result["watchdog"] = watchdog
+    if draft_steps is not None:
+        # The adaptive draft length's choices in the timed runs.
+        result["draft_length"] = draft_length_state(llm, batch, steps_before,
+                                                    draft_steps)
     return result
 
 
@@ -350,17 +413,19 @@ def main(spec_path: str) -> None:
     init_s = time.perf_counter() - start
     weights = llm.collective_rpc(_weights_bytes)[0]
     llm.collective_rpc(_install_forward_timers)
+    draft_steps = install_draft_length_counter(llm)
     rss_after_load = peak_rss_bytes()
     emit("PROGRESS", {"event": "engine_ready", "init_s": init_s})
     batches = []
     for batch in spec["batch_sizes"]:
-        result = run_batch(llm, spec, batch)
+        result = run_batch(llm, spec, batch, draft_steps)
         batches.append(result)
         emit("PROGRESS", {"event": "batch_done", "batch_size": batch,
                           "decode_tokens_per_s":
                           result["decode_tokens_per_s"],
                           "acceptance": result.get("acceptance"),
-                          "forward_time": result["forward_time"]})
+                          "forward_time": result["forward_time"],
+                          "draft_length": result.get("draft_length")})
     end = snapshot(llm)
     emit("RESULT", {
         "num_speculative_tokens": k,

@@ -7,6 +7,8 @@
     .venv/bin/python -m tools.bench.mtp --watchdog        # k=1 off vs on
     .venv/bin/python -m tools.bench.mtp --collapsed       # and a collapsed
         MTP layer: speculation watchdog off vs on vs no MTP
+    .venv/bin/python -m tools.bench.mtp --k 1,2,3 --adaptive  # adaptive
+        draft length vs no MTP and each fixed k
 
 Each engine configuration (no MTP, then MTP with each ``--k``) runs in a
 fresh process (``tools/bench/engine_child.py``) that, per batch size, makes
@@ -27,6 +29,16 @@ the watchdog's pauses. Without these flags nothing changes: each k runs
 with the engine's own speculative config (the watchdog on at vLLM's
 defaults), which never pauses a healthy draft; the table says so if it
 did.
+
+``--adaptive`` adds ``adaptive``: MTP with k = max(--k) and vLLM's
+``adaptive_draft_length: true`` (each step the scheduler picks a draft
+length 0..k; the watchdog at vLLM's defaults), and with ``--collapsed``
+``adaptive_collapsed`` (the same with the MTP layer collapsed); the fixed
+k's are the default run's (``mtp_k<k>``, watchdog at vLLM's defaults)
+unless ``--watchdog``, ``--fallback-window`` or ``--watchdog-config`` ask
+for the watchdog comparison's. The same side-by-side table, then per batch
+size each adaptive config's tokens/s over the best of no MTP and every
+fixed k on the same layer ("adaptive / best"; the goal is >= 0.95).
 """
 
 import argparse
@@ -36,7 +48,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tools.bench.report import format_table, write_json, write_plot
+from tools.bench.report import (adaptive_vs_best, format_table, write_json,
+                                write_plot)
 from tools.bench.run import (HELDOUT, TIMING_METHOD, BenchConfig, Variant,
                              default_out, int_list, run_benchmark)
 
@@ -47,6 +60,10 @@ COLLAPSED = "tests.nightly.injections:collapsed_mtp_layer"
 FALLBACK_WINDOW = 32
 VLLM_FALLBACK_WINDOW = 256
 WATCHDOG_OFF = {"fallback_acceptance_floor": 0}
+# --adaptive's --speculative-config key (vLLM patch 0015).
+ADAPTIVE = {"adaptive_draft_length": True}
+# What --adaptive aims at: its tokens/s over the best fixed config's.
+ADAPTIVE_GOAL = 0.95
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -105,6 +122,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="more --speculative-config keys for the k=K+wd "
                     "configs, e.g. '{\"fallback_probe_interval\": 64}'; "
                     "implies --watchdog")
+    ad = p.add_argument_group(
+        "adaptive draft length", "compare vLLM's adaptive_draft_length "
+        "with no MTP and each fixed k (benchmarks/README.md)")
+    ad.add_argument("--adaptive", action="store_true",
+                    help="add 'adaptive': k = max(--k) with "
+                    "adaptive_draft_length true (and 'adaptive collapsed' "
+                    "with --collapsed, which then adds no watchdog configs "
+                    "unless --watchdog is given)")
     return p.parse_args(argv)
 
 
@@ -121,19 +146,30 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def watchdog_requested(args: argparse.Namespace) -> bool:
-    return bool(args.watchdog or args.collapsed
+    """Whether the run is a watchdog comparison (fixed k with the watchdog
+    off and on). ``--collapsed`` implies one, except with ``--adaptive``,
+    where it adds the collapsed adaptive config only."""
+    return bool(args.watchdog
+                or (args.collapsed and not getattr(args, "adaptive", False))
                 or args.fallback_window is not None
                 or args.watchdog_config is not None)
 
 
 def variants_from_args(
         args: argparse.Namespace,
-        cfg: BenchConfig) -> tuple[Optional[list[Variant]], Optional[dict]]:
-    """The engine configurations of a watchdog comparison and its
-    description for the report; (None, None) without one (the default
-    configurations: no MTP, then each k)."""
+        cfg: BenchConfig) -> tuple[Optional[list[Variant]], dict[str, Any]]:
+    """The engine configurations of a watchdog comparison and/or of an
+    adaptive draft length's, and their description for the report (the
+    results' ``watchdog`` and ``adaptive`` keys); (None, {}) without
+    either (the default configurations: no MTP, then each k)."""
+    adaptive = getattr(args, "adaptive", False)
     if not watchdog_requested(args):
-        return None, None
+        if not adaptive:
+            return None, {}
+        if not cfg.ks:
+            raise ValueError("--adaptive needs at least one --k")
+        variants = [Variant(k) for k in [0] + sorted(set(cfg.ks))]
+        return _with_adaptive(args, cfg, variants, {})
     if not cfg.ks:
         raise ValueError("--watchdog and --collapsed need at least one --k")
     window = (FALLBACK_WINDOW
@@ -160,7 +196,30 @@ def variants_from_args(
     info = {"fallback_window": window,
             "default_window": VLLM_FALLBACK_WINDOW, "extra": extra,
             "collapsed": COLLAPSED if args.collapsed else None}
-    return variants, info
+    if adaptive:
+        return _with_adaptive(args, cfg, variants, {"watchdog": info})
+    return variants, {"watchdog": info}
+
+
+def _with_adaptive(args: argparse.Namespace, cfg: BenchConfig,
+                   variants: list[Variant],
+                   info: dict[str, Any]) -> tuple[list[Variant], dict]:
+    """``variants`` (no MTP and fixed k's) followed by ``adaptive`` (and
+    ``adaptive_collapsed`` with --collapsed), each compared with no MTP and
+    the fixed k's of its layer (same setup)."""
+    k = max(cfg.ks)
+    layers = [("adaptive", None)] + ([("adaptive_collapsed", COLLAPSED)]
+                                     if args.collapsed else [])
+    configs = {name: {"setup": setup,
+                      "best_of": [v.name for v in variants
+                                  if not v.k or v.setup == setup]}
+               for name, setup in layers}
+    variants = variants + [Variant(k, name, dict(ADAPTIVE), setup)
+                           for name, setup in layers]
+    return variants, {**info, "adaptive": {
+        "k": k, "speculative_config": dict(ADAPTIVE), "goal": ADAPTIVE_GOAL,
+        "collapsed": COLLAPSED if args.collapsed else None,
+        "configs": configs}}
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -185,12 +244,13 @@ def main(argv: Optional[list[str]] = None,
     cfg = config_from_args(args)
     out = args.out or default_out()
     try:
-        variants, watchdog = variants_from_args(args, cfg)
+        variants, info = variants_from_args(args, cfg)
         results = run_benchmark(cfg, out.with_suffix(".logs"), variants)
     except ValueError as e:
         raise SystemExit(f"tools.bench.mtp: {e}") from None
-    if watchdog:
-        results["watchdog"] = watchdog
+    results.update(info)
+    if "adaptive" in results:
+        results["adaptive"]["vs_best"] = adaptive_vs_best(results)
     write_json(results, out)
     emit(format_table(results))
     emit(f"timing: {TIMING_METHOD}")

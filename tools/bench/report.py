@@ -57,10 +57,12 @@ def format_table(results: dict[str, Any]) -> str:
     engine process, which a busy host inflates less), acceptance, identity,
     then memory per config. A run with the speculation watchdog's
     configurations (``results["watchdog"]``, ``tools.bench.mtp
-    --watchdog``) puts only the ratios side by side, then a row per MTP
-    config and batch with the watchdog's pauses."""
-    if results.get("watchdog"):
-        return format_watchdog_tables(results)
+    --watchdog``) or an adaptive draft length's (``results["adaptive"]``,
+    ``--adaptive``) puts only the ratios side by side, then a row per MTP
+    config and batch with the watchdog's pauses (``format_side_by_side``).
+    """
+    if results.get("watchdog") or results.get("adaptive"):
+        return format_side_by_side(results)
     lines = [_ratio_table(results), "", _detail_table(results), "",
              _memory_table(results), "", _identity_line(results)]
     note = _unplanned_pauses(results)
@@ -148,8 +150,11 @@ def _unplanned_pauses(results: dict[str, Any]) -> Optional[str]:
     paused = []
     for c in results["configs"]:
         extra = c.get("speculative_config") or {}
-        if not c["num_speculative_tokens"] or (
-                "fallback_acceptance_floor" in extra):
+        # Not the watchdog comparison's configs, nor an adaptive draft
+        # length (whose steps differ by design): their tables show pauses.
+        if not c["num_speculative_tokens"] or extra.get(
+                "adaptive_draft_length") or any(
+                    key.startswith("fallback_") for key in extra):
             continue
         at = [str(b["batch_size"]) for b in c["batches"] if _pauses(b)]
         if at:
@@ -169,12 +174,110 @@ def short_label(name: str) -> str:
     return name.replace("_", " ")
 
 
-def format_watchdog_tables(results: dict[str, Any]) -> str:
-    """The speculation watchdog's comparison: per batch size, the tokens/s
-    of no MTP and every MTP config's ratio over it side by side (wall
-    clock / CPU time); per MTP config and batch, acceptance, drafts, the
-    watchdog's pauses and whether it is paused; then the detail, memory
-    and identity as in ``format_table``, and what each config was."""
+def adaptive_vs_best(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per adaptive config (``results["adaptive"]["configs"]``) and batch
+    size: its tokens/s over the fastest of the configs it is compared with
+    (no MTP and the fixed k's of its layer, ``best_of``), by wall clock
+    and by CPU time (each its own fastest), and whether it reaches the
+    goal (``results["adaptive"]["goal"]``, by wall clock)."""
+    info = results["adaptive"]
+    by_name = {c["name"]: c for c in results["configs"]}
+    rows = []
+    for name, spec in info["configs"].items():
+        config = by_name.get(name)
+        rivals = [by_name[n] for n in spec["best_of"] if n in by_name]
+        if config is None or not rivals:
+            continue
+        for b in config["batches"]:
+            best, best_tps = _fastest(rivals, b["batch_size"],
+                                      "decode_tokens_per_s")
+            best_cpu, best_cpu_tps = _fastest(rivals, b["batch_size"],
+                                              "decode_tokens_per_cpu_s")
+            ratio = b["decode_tokens_per_s"] / best_tps
+            rows.append({
+                "config": name, "batch_size": b["batch_size"],
+                "best": best, "best_tokens_per_s": best_tps,
+                "tokens_per_s": b["decode_tokens_per_s"], "ratio": ratio,
+                "best_cpu": best_cpu,
+                "ratio_cpu": b["decode_tokens_per_cpu_s"] / best_cpu_tps,
+                "meets_goal": ratio >= info["goal"],
+            })
+    return rows
+
+
+def _fastest(configs: list[dict[str, Any]], batch: int,
+             key: str) -> tuple[str, float]:
+    """The name and ``key`` of the config with the highest ``key`` at
+    ``batch``."""
+    values = [(b[key], c["name"]) for c in configs for b in c["batches"]
+              if b["batch_size"] == batch]
+    value, name = max(values)
+    return name, value
+
+
+def format_adaptive_tables(results: dict[str, Any]) -> list[str]:
+    """Lines of an adaptive draft length's run: per adaptive config and
+    batch, its tokens/s over the best fixed config's; then its decode steps
+    per draft length and what the policy measured."""
+    info = results["adaptive"]
+    rows = info.get("vs_best") or adaptive_vs_best(results)
+    goal = info["goal"]
+    header = ["config", "batch", "best", "best tok/s", "tok/s",
+              "adaptive / best", "best (CPU)", "adaptive / best (CPU)",
+              f">= {goal:.2f}"]
+    table = [[short_label(r["config"]), str(r["batch_size"]),
+              short_label(r["best"]), fmt(r["best_tokens_per_s"], ".1f"),
+              fmt(r["tokens_per_s"], ".1f"), f"{r['ratio']:.3f}x",
+              short_label(r["best_cpu"]), f"{r['ratio_cpu']:.3f}x",
+              "yes" if r["meets_goal"] else "NO"] for r in rows]
+    lines = [f"adaptive / best: tokens/s over the fastest of no MTP and "
+             f"the fixed k's of the same layer (goal >= {goal:.2f}):",
+             grid(header, table), ""]
+    k = info["k"]
+    slash = "/".join(str(i) for i in range(k + 1))
+    choice_header = ["config", "batch", "decode steps",
+                     f"steps at k={slash}", "draft tok/draft",
+                     f"step ms k={slash}", "samples",
+                     "acc | prev per pos", "E[tokens] k=" + slash]
+    choices = []
+    by_name = {c["name"]: c for c in results["configs"]}
+    for name in info["configs"]:
+        for b in (by_name.get(name) or {}).get("batches", []):
+            d = b.get("draft_length")
+            if not d:
+                continue
+            acc = b.get("acceptance") or {}
+            drafts = acc.get("num_drafts")
+            steps = d["steps_per_length"]
+            choices.append([
+                short_label(name), str(b["batch_size"]), str(sum(steps)),
+                "/".join(map(str, steps)),
+                fmt(acc["num_draft_tokens"] / drafts if drafts else None,
+                    ".2f"),
+                "/".join(fmt(t, ".1f") for t in d["step_ms"]),
+                "/".join(map(str, d["step_samples"])),
+                "/".join(fmt(a, ".2f") for a in d["acceptance_per_pos"]),
+                "/".join(fmt(e, ".2f") for e in d["expected_tokens"]),
+            ])
+    if choices:
+        lines += ["adaptive draft length: decode steps of the timed runs "
+                  "per draft length, and the policy's measurements at the "
+                  "end of the batch (its bucket's step time per length, "
+                  "acceptance per position given the one before, expected "
+                  "tokens per request of a step):",
+                  grid(choice_header, choices), ""]
+    return lines
+
+
+def format_side_by_side(results: dict[str, Any]) -> str:
+    """A comparison of the speculation watchdog's configs and/or of an
+    adaptive draft length's: per batch size, the tokens/s of no MTP and
+    every MTP config's ratio over it side by side (wall clock / CPU time);
+    per MTP config and batch, acceptance, drafts, draft tokens per draft,
+    the watchdog's pauses and whether it is paused; with an adaptive
+    config, its tokens/s over the best fixed config's and its choices;
+    then the detail, memory and identity as in ``format_table``, and what
+    each config was."""
     configs = results["configs"]
     base = next((c for c in configs if not c["num_speculative_tokens"]),
                 None)
@@ -201,7 +304,7 @@ def format_watchdog_tables(results: dict[str, Any]) -> str:
     lines = ["decode tokens/s over no MTP (wall clock / CPU time):",
              grid(header, rows), ""]
     per_header = ["config", "batch", "tok/s", "ratio", "cpu ratio", "acc",
-                  "len", "drafts", "pauses", "paused", "same"]
+                  "len", "drafts", "tok/draft", "pauses", "paused", "same"]
     per = []
     for c in mtp:
         for b in c["batches"]:
@@ -217,15 +320,49 @@ def format_watchdog_tables(results: dict[str, Any]) -> str:
                 fmt(acc.get("acceptance_rate"), ".1%"),
                 fmt(acc.get("mean_acceptance_length"), ".2f"),
                 fmt(acc.get("num_drafts"), ".0f"),
+                fmt(acc["num_draft_tokens"] / acc["num_drafts"]
+                    if acc.get("num_drafts") else None, ".2f"),
                 fmt(wd.get("num_pauses"), ".0f"),
                 "-" if paused is None else ("yes" if paused else "no"),
                 "-" if cmp is None else
                 ("yes" if cmp["outputs_identical"] else "NO"),
             ])
-    lines += [grid(per_header, per), "", _detail_table(results), "",
-              _memory_table(results), "", _identity_line(results)]
-    lines += watchdog_notes(results)
+    lines += [grid(per_header, per), ""]
+    if results.get("adaptive"):
+        lines += format_adaptive_tables(results)
+    lines += [_detail_table(results), "", _memory_table(results), "",
+              _identity_line(results)]
+    if results.get("watchdog"):
+        lines += watchdog_notes(results)
+    if results.get("adaptive"):
+        lines += adaptive_notes(results)
+    note = _unplanned_pauses(results)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
+
+
+def adaptive_notes(results: dict[str, Any]) -> list[str]:
+    """What the adaptive comparison's configs were."""
+    info = results["adaptive"]
+    lines = []
+    if not results.get("watchdog"):
+        lines.append("k=K: fixed k, the engine's own speculative config "
+                     "(the watchdog on at vLLM's defaults), as in the "
+                     "default run.")
+    lines.append(f"adaptive: num_speculative_tokens {info['k']} (max of "
+                 "--k) with adaptive_draft_length true: each step the "
+                 "scheduler drafts 0..k tokens, the k maximizing expected "
+                 "tokens/s from measured acceptance and step time; the "
+                 "watchdog at vLLM's defaults.")
+    for name, spec in info["configs"].items():
+        lines.append(f"{short_label(name)} / best: over the fastest of " +
+                     ", ".join(short_label(n) for n in spec["best_of"]) +
+                     (f" ({spec['setup']} called in the engine)"
+                      if spec.get("setup") else "") + ".")
+    lines.append("tok/draft: draft tokens per draft verified (requests "
+                 "drafting 0 tokens make no draft).")
+    return lines
 
 
 def watchdog_notes(results: dict[str, Any]) -> list[str]:

@@ -273,6 +273,11 @@ def _log_progress(name: str, event: dict[str, Any]) -> None:
         if fwd.get("draft_over_target") is not None:
             cost += (f", draft forward {fwd['draft_ms_per_forward']:.2f} ms "
                      f"({fwd['draft_over_target']:.0%} of a target forward)")
+        chosen = (event.get("draft_length") or {}).get("steps_per_length")
+        if chosen:
+            # The adaptive draft length's decode steps per length 0..k.
+            cost += ", decode steps per draft length " + "/".join(
+                map(str, chosen))
         logger.info("%s: batch %d: %.1f decode tokens/s%s%s", name,
                     event["batch_size"], event["decode_tokens_per_s"],
                     "" if rate is None else f", acceptance {rate:.1%}", cost)
