@@ -211,9 +211,14 @@ def watchdog_state(before: dict, after: dict) -> Optional[dict[str, Any]]:
     metrics (a vLLM without the watchdog)."""
     if PAUSES not in after and PAUSED not in after:
         return None
-    paused = after.get(PAUSED)
     return {"num_pauses": metric_delta(before, after, PAUSES),
-            "paused": None if paused is None else bool(paused)}
+            "paused": _paused(after)}
+
+
+def _paused(metrics: dict) -> Optional[bool]:
+    """The watchdog's gauge in a snapshot (None without it)."""
+    paused = metrics.get(PAUSED)
+    return None if paused is None else bool(paused)
 
 
 def _draft_length_policy(llm):
@@ -434,7 +439,7 @@ def main(spec_path: str) -> None:
         "watchdog": None if not k else {
             "settings": _watchdog_settings(llm),
             "num_pauses": end.get(PAUSES),
-            "paused": None if end.get(PAUSED) is None else bool(end[PAUSED])
+            "paused": _paused(end)
         },
         "init_s": init_s,
         "torch_threads": torch.get_num_threads(),

@@ -150,7 +150,7 @@ def watchdog_requested(args: argparse.Namespace) -> bool:
     off and on). ``--collapsed`` implies one, except with ``--adaptive``,
     where it adds the collapsed adaptive config only."""
     return bool(args.watchdog
-                or (args.collapsed and not getattr(args, "adaptive", False))
+                or (args.collapsed and not args.adaptive)
                 or args.fallback_window is not None
                 or args.watchdog_config is not None)
 
@@ -162,7 +162,7 @@ def variants_from_args(
     adaptive draft length's, and their description for the report (the
     results' ``watchdog`` and ``adaptive`` keys); (None, {}) without
     either (the default configurations: no MTP, then each k)."""
-    adaptive = getattr(args, "adaptive", False)
+    adaptive = args.adaptive
     if not watchdog_requested(args):
         if not adaptive:
             return None, {}
