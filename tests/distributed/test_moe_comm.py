@@ -11,6 +11,7 @@ rank a single token, as an idle rank's dummy batch).
 import multiprocessing
 import os
 
+import pytest
 import torch
 
 from vllm_ascend.distributed.moe_comm import METHODS, MOE_COMM_ENV
@@ -177,6 +178,7 @@ def test_methods_give_single_process_output():
                        for rank in range(dp * tp)}, results
 
 
+@pytest.mark.heavy  # make nightly: CI time
 def test_methods_under_sequence_parallel_moe():
     """A sequence-parallel MoE layer (vLLM's DeepSeek-V2 under DP x TP with
     EP; not GLM-4.5): each TP rank sends all of its own tokens; sending a

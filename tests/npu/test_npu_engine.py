@@ -110,6 +110,7 @@ def test_npu_paths_equal_reference_device(setup, graph_mode_run):
     assert info["device"] == "cpu"  # the double's tensors
 
 
+@pytest.mark.heavy  # make nightly: CI time
 def test_async_scheduling_on_npu(setup, graph_mode_run):
     # vLLM runs async scheduling with an engine-core process only.
     got = _npu(setup, inspect=True, async_scheduling=True,
@@ -120,9 +121,14 @@ def test_async_scheduling_on_npu(setup, graph_mode_run):
 
 
 @pytest.mark.parametrize("k,mode", [
-    (1, dict(enable_chunked_prefill=True, max_num_batched_tokens=48,
-             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
-                                 "cudagraph_capture_sizes": CAPTURE_SIZES})),
+    # make nightly: FULL_DECODE_ONLY at k = 1 runs in CI in
+    # tests/compilation/test_graph_modes.py.
+    pytest.param(1, dict(enable_chunked_prefill=True,
+                         max_num_batched_tokens=48,
+                         compilation_config={
+                             "cudagraph_mode": "FULL_DECODE_ONLY",
+                             "cudagraph_capture_sizes": CAPTURE_SIZES}),
+                 marks=pytest.mark.heavy),
     (2, dict(num_gpu_blocks_override=3)),
     (3, dict(enable_chunked_prefill=True, max_num_batched_tokens=64,
              num_gpu_blocks_override=3)),
@@ -206,16 +212,18 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
     reference stops at the first near-tie."""
     engine, prompts, sampling, reference = (
         request.getfixturevalue("setup_a3") if a3 else setup)
-    # Each rank's watchdog pauses and probes, and its draft length policy
-    # chooses, on its own schedule: a rank that skips its draft joins the
-    # other's draft collectives, and every rank drafts the configured
-    # length (its scheduler keeps what it chose).
+    # Each rank's watchdog pauses and probes, and (with MC2) its draft length
+    # policy chooses, on its own schedule: a rank that skips its draft joins
+    # the other's draft collectives, and every rank drafts the configured
+    # length (its scheduler keeps what it chose). A rank whose policy chose
+    # no draft for its few steps may finish before a window of drafts.
+    adaptive = method is None
     engine = dict(engine, enable_expert_parallel=ep,
                   tensor_parallel_size=tp,
                   enforce_eager=method == "alltoall",
                   speculative_config=dict(method="glm4_moe_mtp",
                                           num_speculative_tokens=k,
-                                          adaptive_draft_length=True,
+                                          adaptive_draft_length=adaptive,
                                           **SWITCHING))
     env = {**NPU_ENV, TRACE_ENV: str(tmp_path / "trace.txt")}
     if a3:
@@ -230,7 +238,8 @@ def test_parallel_mtp_equals_reference(request, setup, tmp_path, tp, k, ep,
             out["outputs"], [reference["outputs"][i] for i in indices],
             [reference["logprobs"][i] for i in indices])
         assert out["metrics"]["vllm:spec_decode_num_drafts"] > 0
-        assert out["metrics"]["vllm:spec_decode_num_pauses"] == 1
+    pauses = [out["metrics"]["vllm:spec_decode_num_pauses"] for out in outs]
+    assert max(pauses) == 1 and (adaptive or min(pauses) == 1), pauses
     if REAL_NPU:
         return
     trace = (tmp_path / "trace.txt").read_text()

@@ -129,6 +129,9 @@ def test_original_command_mtp_answers_equal_no_mtp(checkpoint, no_mtp):
                      r"8, 4, 2\]", got["log"]), got["log"][-3000:]
 
 
+# In `make nightly`: the CPU server's answers equal the offline engine in CI
+# (tests/server/test_openai_server.py).
+@pytest.mark.heavy
 def test_served_answers_equal_offline_engine(checkpoint, no_mtp):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
