@@ -49,7 +49,7 @@ export:
 	$(PYTHON) -m tools.dev.vllm_tree export
 
 check-patches: $(STAMP)
-	$(PY) -m tools.dev.vllm_tree check
+	$(PY) -m tools.dev.vllm_tree check --alone
 
 # The series on the newest vLLM release on the package index (or
 # VLLM_VERSION=X): per patch applies / already upstream / conflicts, written
@@ -61,7 +61,7 @@ rebase-check: $(STAMP)
 # tests; its output follows theirs. Both must pass.
 test: $(STAMP) apply
 	@log=$$(mktemp); \
-	$(PY) -m tools.dev.vllm_tree check > $$log 2>&1 & check=$$!; \
+	$(PY) -m tools.dev.vllm_tree check --no-style > $$log 2>&1 & check=$$!; \
 	$(PY) -m pytest -q --durations=40 -m "not heavy" tests; tests=$$?; \
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \

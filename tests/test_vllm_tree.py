@@ -38,7 +38,7 @@ def _copy_series(tmp_path: Path, mutate) -> Path:
 def _check(series: Path) -> subprocess.CompletedProcess:
     return subprocess.run([
         sys.executable, "-m", "tools.dev.vllm_tree", "check", "--no-tests",
-        "--series", str(series)
+        "--no-style", "--series", str(series)
     ], capture_output=True, text=True, cwd=ROOT)
 
 
@@ -76,22 +76,25 @@ PLACEHOLDER = "vllm-ascend developer <dev@vllm-ascend.invalid>"
 
 
 @pytest.mark.parametrize("line", ["Signed-off-by", "From"])
-def test_check_fails_on_a_placeholder_identity(tmp_path, line):
+def test_check_fails_on_an_incomplete_identity(tmp_path, line):
     def mutate(_, text):
-        return re.sub(rf"^{line}: .*(\n .*)?$", f"{line}: {PLACEHOLDER}",
+        return re.sub(rf"^{line}: .*(\n .*)?$", f"{line}: <dev@huawei.com>",
                       text, count=1, flags=re.M)
 
     proc = _check(_copy_series(tmp_path, mutate))
     assert proc.returncode != 0
-    assert "placeholder identity" in proc.stdout + proc.stderr
+    assert "incomplete identity" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("ident,placeholder", [
     (PLACEHOLDER, True),
     ("A Person <a@example.com>", True),
+    ("Team <team@users.noreply.a-team.example>", True),
+    ("Tester <t@ci.test>", True),
     ("No Email <>", True),
     (" <someone@huawei.com>", True),
     ("Jane Doe <jane@huawei.com>", False),
+    ("Ex Ample <ex@example-corp.com>", False),
 ])
 def test_placeholder_identities(ident, placeholder):
     assert vllm_tree.placeholder_identity(ident) is placeholder
@@ -111,15 +114,32 @@ def _repo(tmp_path, monkeypatch, name=None, email=None) -> Path:
 
 def test_export_refuses_without_an_identity(tmp_path, monkeypatch):
     repo = _repo(tmp_path, monkeypatch)
-    with pytest.raises(SystemExit, match="your own git identity"):
+    with pytest.raises(SystemExit, match="export needs a git identity"):
         vllm_tree.exporter_identity(repo)
 
 
-def test_export_refuses_a_placeholder_identity(tmp_path, monkeypatch):
-    repo = _repo(tmp_path, monkeypatch, "vllm-ascend developer",
-                 "dev@vllm-ascend.invalid")
-    with pytest.raises(SystemExit, match="your own git identity"):
-        vllm_tree.exporter_identity(repo)
+def test_send_refuses_a_reserved_domain(tmp_path, monkeypatch):
+    # The committed series may carry a team's stand-in identity; what is
+    # sent upstream is signed by a person.
+    repo = _repo(tmp_path, monkeypatch, "Team", "team@a-team.example")
+    assert vllm_tree.exporter_identity(repo) == "Team <team@a-team.example>"
+    with pytest.raises(SystemExit, match="send needs your own identity"):
+        vllm_tree.sender_identity(repo)
+
+
+def test_send_resigns_every_patch_with_the_sender():
+    jane = "Jane Doe <jane@huawei.com>"
+    for patch in vllm_tree.series_patches():
+        text = vllm_tree.resign(patch.read_text(), jane)
+        header, _, rest = text.partition("\n\n")
+        message, _, diff = rest.partition("\n---\n")
+        assert re.search(r"^From: Jane Doe <jane@huawei.com>$", header, re.M)
+        sign_offs = re.findall(r"^Signed-off-by: (.*)$", message, re.M)
+        assert sign_offs and sign_offs[-1] == jane, patch.name
+        assert not any(vllm_tree.placeholder_identity(s) for s in sign_offs)
+        # Subject, body and diff unchanged.
+        assert diff == patch.read_text().partition("\n---\n")[2]
+        assert vllm_tree.subject_of(patch) in header.replace("\n ", " ")
 
 
 def test_export_signs_off_with_the_exporter(tmp_path, monkeypatch):
@@ -139,3 +159,29 @@ def test_export_signs_off_with_the_exporter(tmp_path, monkeypatch):
     head = vllm_tree.git("rev-parse", "HEAD", cwd=repo)
     vllm_tree.sign_off_series("Jane Doe <jane@huawei.com>", tree=repo)
     assert vllm_tree.git("rev-parse", "HEAD", cwd=repo) == head  # idempotent
+
+
+def test_upstream_style_flags_what_vllm_pre_commit_rejects(tmp_path):
+    """vLLM's pinned yapf, isort and ruff, with its settings, on a file a
+    patch touches: a clean file passes, each fault is named."""
+    from tools.dev import fetch_vllm_sdist, upstream_style
+    for name in ("pyproject.toml", ".pre-commit-config.yaml"):
+        (tmp_path / name).write_text((vllm_tree.TREE / name).read_text())
+    versions = upstream_style.pinned_versions(tmp_path)
+    assert versions["yapf"] == "0.43.0" and versions["isort"] == "6.0.1"
+    tools = upstream_style.install(versions,
+                                   fetch_vllm_sdist.default_cache_dir())
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "good.py").write_text("import os\nimport sys\n\n\n"
+                                 "def f(a, b):\n    return os.sep, sys.argv, "
+                                 "a + b\n")
+    (pkg / "bad.py").write_text("import sys\nimport os\n\n\n"
+                                "def f( a,b ):\n    return os.sep, sys.argv, "
+                                f"a + b  # {'x' * 60}\n")
+    got = upstream_style.problems(tmp_path, ["vllm/good.py", "vllm/bad.py"],
+                                  tools, versions)
+    assert not [p for p in got if "good.py" in p], got
+    assert any("vllm/bad.py: yapf 0.43.0" in p for p in got), got
+    assert any("vllm/bad.py: isort 6.0.1" in p for p in got), got
+    assert any("vllm/bad.py:6:" in p and "E501" in p for p in got), got

@@ -8,9 +8,14 @@ patches listed in ``patches/vllm/series``, one commit per patch. Subcommands:
 * ``apply``: reset ``vllm/`` to the pristine tag and ``git am`` the series.
 * ``export``: write ``v0.11.0..HEAD`` back to ``patches/vllm/`` with
   ``git format-patch`` in a stable form (re-exporting changes no file).
-* ``check``: every patch applies on the pristine tag, has a ``[Tag]`` subject,
-  a body and ``Signed-off-by``; and each prefix of the series passes the
-  tests that its patches add or touch (bisectable).
+* ``check``: every patch has a ``[Tag]`` subject, a body and
+  ``Signed-off-by``; applies on the ones before it; passes vLLM's own
+  pre-commit formatters and linters (the versions its config pins) on the
+  files it touches; applies alone on the pristine tag (after the patches it
+  names in ``Depends-on:`` lines) and passes its own tests there; and the
+  whole series passes every patch's tests.
+* ``send``: the series for ``git send-email``, authored and signed off by
+  the sender's own identity (never a reserved domain).
 
 Run from the repository root: ``python3 -m tools.dev.vllm_tree <subcommand>``.
 Standard library only (``make`` materializes the tree with the system Python
@@ -27,7 +32,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from tools.dev import fetch_vllm_sdist
+from tools.dev import fetch_vllm_sdist, upstream_style
 
 ROOT = Path(__file__).resolve().parents[2]
 TREE = ROOT / "vllm"
@@ -107,18 +112,24 @@ def init_pristine(dest: Path, sdist: Path) -> None:
 # fresh CI machine): committers are not part of an exported patch.
 APPLY_ENV = {"GIT_COMMITTER_NAME": "vllm-ascend series",
              "GIT_COMMITTER_EMAIL": "series@vllm-ascend.invalid"}
-# Identities that are nobody's: reserved domains (RFC 2606/6761) and the
-# series' former stand-in.
-PLACEHOLDER_EMAIL_RE = re.compile(
-    r"(\.invalid|\.localhost|\.test|@example\.(com|org|net)|"
+# Domains that are nobody's (RFC 2606 and 6761): the top-level domains
+# .example, .invalid, .localhost and .test, and example.com/.net/.org.
+RESERVED_EMAIL_RE = re.compile(
+    r"(\.example|\.invalid|\.localhost|\.test|[@.]example\.(com|org|net)|"
     r"@localhost(\.localdomain)?)>?$", re.I)
 
 
-def placeholder_identity(ident: str) -> bool:
-    """``ident`` is ``Name <email>``."""
+def incomplete_identity(ident: str) -> bool:
+    """``ident`` is not ``Name <email>`` with both parts."""
     match = re.fullmatch(r"\s*(.*?)\s*<([^>]*)>\s*", ident)
-    return (match is None or not match.group(1) or not match.group(2)
-            or bool(PLACEHOLDER_EMAIL_RE.search(match.group(2))))
+    return match is None or not match.group(1) or not match.group(2)
+
+
+def placeholder_identity(ident: str) -> bool:
+    """``ident`` cannot certify the DCO upstream: incomplete, or an
+    address on a reserved domain (a team's stand-in identity)."""
+    return incomplete_identity(ident) or bool(
+        RESERVED_EMAIL_RE.search(ident.strip().rstrip(">")))
 
 
 def exporter_identity(cwd: Path = TREE) -> str:
@@ -127,11 +138,23 @@ def exporter_identity(cwd: Path = TREE) -> str:
     name = git("config", "user.name", cwd=cwd, check=False).strip()
     email = git("config", "user.email", cwd=cwd, check=False).strip()
     ident = f"{name} <{email}>"
-    if not name or not email or placeholder_identity(ident):
+    if not name or not email or incomplete_identity(ident):
         raise SystemExit(
-            f"export needs your own git identity to sign off the patches, "
-            f"not {ident!r}: git config --global user.name 'Your Name'; "
+            f"export needs a git identity to sign off the patches, not "
+            f"{ident!r}: git config --global user.name 'Your Name'; "
             "git config --global user.email you@your.org")
+    return ident
+
+
+def sender_identity(cwd: Path = TREE) -> str:
+    """The identity that sends the series upstream: a person's own, as the
+    DCO wants, never a reserved domain's."""
+    ident = exporter_identity(cwd)
+    if placeholder_identity(ident):
+        raise SystemExit(
+            f"send needs your own identity to sign off the patches, not "
+            f"{ident!r} (a reserved domain): git config --global user.email "
+            "you@your.org, then run send again")
     return ident
 
 
@@ -227,6 +250,40 @@ def cmd_export(_: argparse.Namespace) -> None:
     print(f"exported {len(new)} patches ({changed} files changed)")
 
 
+def resign(text: str, ident: str) -> str:
+    """One exported patch, authored and signed off by ``ident`` alone: the
+    stand-in identities (reserved domains) go, every other sign-off
+    stays."""
+    header, sep, rest = text.partition("\n\n")
+    header = re.sub(r"^From: .*(\n .*)*$", f"From: {ident}", header,
+                    count=1, flags=re.M)
+    message, dashes, diff = rest.partition("\n---\n")
+    lines = [ln for ln in message.split("\n")
+             if not (ln.startswith("Signed-off-by: ")
+                     and placeholder_identity(ln[len("Signed-off-by: "):]))]
+    trailer = f"Signed-off-by: {ident}"
+    if trailer not in lines:
+        while lines and not lines[-1].strip():
+            lines.pop()
+        if not re.match(r"^[\w-]+: ", lines[-1]):
+            lines.append("")
+        lines.append(trailer)
+    return header + sep + "\n".join(lines) + dashes + diff
+
+
+def cmd_send(args: argparse.Namespace) -> None:
+    """Write the series for ``git send-email``, signed by the sender."""
+    ident = sender_identity()
+    out = args.out
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for patch in series_patches():
+        (out / patch.name).write_text(resign(patch.read_text(), ident))
+    print(f"wrote {len(series_patches())} patches to {out}, authored and "
+          f"signed off by {ident}: git send-email --to=<list> {out}/*.patch")
+
+
 def patch_problems(patch: Path) -> list[str]:
     """Metadata rules every patch of the series follows."""
     text = patch.read_text(encoding="utf-8")
@@ -250,9 +307,9 @@ def patch_problems(patch: Path) -> list[str]:
     author = re.search(r"^From: (.*(?:\n .*)*)", header, re.M)
     authors = [re.sub(r"\s*\n\s+", " ", author.group(1))] if author else []
     for ident in sign_offs + authors:
-        if placeholder_identity(ident):
-            problems.append(f"placeholder identity {ident!r}: sign off and "
-                            "author with your own")
+        if incomplete_identity(ident):
+            problems.append(f"incomplete identity {ident!r}: author and sign "
+                            "off as 'Name <email>'")
     return problems
 
 
@@ -268,6 +325,32 @@ def sources_of(patch: Path) -> set[str]:
     return {f for f in files if not f.startswith("tests/")}
 
 
+def subject_of(patch: Path) -> str:
+    header = patch.read_text(encoding="utf-8").partition("\n\n")[0]
+    subject = re.search(r"^Subject: (.*(?:\n .*)*)", header, re.M)
+    text = re.sub(r"\s*\n\s+", " ", subject.group(1)) if subject else ""
+    return re.sub(r"^\[PATCH[^\]]*\] ", "", text)
+
+
+def prerequisites(patch: Path, patches: list[Path]) -> list[Path]:
+    """The earlier patches that ``patch`` names in ``Depends-on: <subject>``
+    lines (and theirs), in series order: a stacked pull request."""
+    by_subject = {subject_of(p): p for p in patches}
+    wanted, todo = set(), [patch]
+    while todo:
+        for subject in re.findall(r"^Depends-on: (.+)$",
+                                  todo.pop().read_text(encoding="utf-8"),
+                                  re.M):
+            if subject.strip() not in by_subject:
+                raise SystemExit(f"{patch.name}: Depends-on names no patch "
+                                 f"of the series: {subject!r}")
+            dep = by_subject[subject.strip()]
+            if dep not in wanted:
+                wanted.add(dep)
+                todo.append(dep)
+    return [p for p in patches if p in wanted]
+
+
 def cmd_check(args: argparse.Namespace) -> None:
     patches = series_patches(args.series)
     failures = []
@@ -279,23 +362,75 @@ def cmd_check(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "vllm"
         init_pristine(tree, sdist)
-        # Test file -> the source files of the patches that wrote it. At
-        # each prefix run the patch's own tests and those of earlier
-        # patches whose sources it touches; at the last, every test.
-        covers: dict[str, set[str]] = {}
+        if not args.no_style:
+            versions = upstream_style.pinned_versions(tree)
+            tools = upstream_style.install(
+                versions, fetch_vllm_sdist.default_cache_dir())
+        # Each patch in turn on the ones before it: it applies, and vLLM's
+        # pinned formatters and linters pass on the files it touches.
         for i, patch in enumerate(patches, 1):
             am_series(tree, [patch])
-            sources, own = sources_of(patch), tests_of(patch)
-            for test in own:
-                covers[test] = covers.get(test, set()) | sources
             print(f"[{i}/{len(patches)}] {patch.name} applies", flush=True)
-            tests = sorted(
-                test for test, touched in covers.items()
-                if i == len(patches) or test in own or touched & sources)
-            if args.no_tests or not tests:
-                continue
-            run_tests(tree, tests, label=patch.name)
+            if not args.no_style:
+                failures += [
+                    f"{patch.name}: {p}" for p in upstream_style.problems(
+                        tree, sorted(sources_of(patch)) + tests_of(patch),
+                        tools, versions)
+                ]
+        if failures:
+            raise SystemExit("vLLM's pre-commit rejects the series:\n  " +
+                             "\n  ".join(failures))
+        if not args.no_tests:
+            run_prefix_tests(tree, patches)
+            if args.alone:
+                run_alone_tests(tree, patches)
     print(f"series check passed: {len(patches)} patches")
+
+
+def reset_to_base(tree: Path) -> None:
+    git("reset", "-q", "--hard", BASE_TAG, cwd=tree)
+    git("clean", "-q", "-fdx", cwd=tree)
+
+
+def run_prefix_tests(tree: Path, patches: list[Path]) -> None:
+    """At each prefix of the series, the last patch's tests and those of
+    earlier patches whose sources it touches; at the last, every test (the
+    series bisects)."""
+    reset_to_base(tree)
+    # Test file -> the source files of the patches that wrote it.
+    covers: dict[str, set[str]] = {}
+    for i, patch in enumerate(patches, 1):
+        am_series(tree, [patch])
+        sources, own = sources_of(patch), tests_of(patch)
+        for test in own:
+            covers[test] = covers.get(test, set()) | sources
+        tests = sorted(test for test, touched in covers.items()
+                       if i == len(patches) or test in own
+                       or touched & sources)
+        if tests:
+            print(f"[{i}/{len(patches)}] tests up to {patch.name}",
+                  flush=True)
+            run_tests(tree, tests, f"with the series up to {patch.name}")
+
+
+def run_alone_tests(tree: Path, patches: list[Path]) -> None:
+    """Each patch alone on the base (after the patches it names in
+    ``Depends-on:`` lines) applies and passes its own tests: one pull
+    request each."""
+    for patch in patches:
+        tests, needs = tests_of(patch), prerequisites(patch, patches)
+        reset_to_base(tree)
+        try:
+            am_series(tree, needs + [patch])
+        except SystemExit as e:
+            raise SystemExit(f"{patch.name} does not apply alone on "
+                             f"{BASE_TAG} (name the patches it needs in "
+                             f"Depends-on: lines): {e}") from None
+        after = f" after {', '.join(p.name[:4] for p in needs)}" \
+            if needs else ""
+        print(f"[alone] {patch.name} on {BASE_TAG}{after}", flush=True)
+        if tests:
+            run_tests(tree, tests, f"{patch.name} alone on {BASE_TAG}")
 
 
 def run_tests(tree: Path, tests: list[str], label: str) -> None:
@@ -313,7 +448,7 @@ def run_tests(tree: Path, tests: list[str], label: str) -> None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          *tests], cwd=tree, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"tests fail with the series up to {label}")
+        raise SystemExit(f"tests fail: {label}")
 
 
 def main() -> None:
@@ -325,9 +460,18 @@ def main() -> None:
     check = sub.add_parser("check")
     check.add_argument("--series", type=Path, default=SERIES)
     check.add_argument("--no-tests", action="store_true",
-                       help="only check that the series applies and its "
-                       "metadata")
+                       help="only check that the series applies, its "
+                       "metadata and its style")
+    check.add_argument("--no-style", action="store_true",
+                       help="skip vLLM's pinned formatters and linters")
+    check.add_argument("--alone", action="store_true",
+                       help="also apply each patch alone on the base and "
+                       "run its tests there")
     check.set_defaults(func=cmd_check)
+    send = sub.add_parser("send", help="the series for git send-email, "
+                          "signed off by your own identity")
+    send.add_argument("--out", type=Path, default=ROOT / "build" / "send")
+    send.set_defaults(func=cmd_send)
     args = parser.parse_args()
     args.func(args)
 
