@@ -61,7 +61,7 @@ rebase-check: $(STAMP)
 # tests; its output follows theirs. Both must pass.
 test: $(STAMP) apply
 	@log=$$(mktemp); \
-	$(PY) -m tools.dev.vllm_tree check --no-style > $$log 2>&1 & check=$$!; \
+	$(PY) -m tools.dev.vllm_tree check > $$log 2>&1 & check=$$!; \
 	$(PY) -m pytest -q --durations=40 -m "not heavy" tests; tests=$$?; \
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \

@@ -161,7 +161,7 @@ def test_dp2_tp2_mtp_outputs_equal_dp1(references, baseline, k,
     parallelism (the all-gather MoE method) it once answered every prompt
     with wrong text and no error: the naive all2all gathered DP rank 1's
     tokens from the wrong rank and summed the TP partials twice (patch
-    0011), and graph replays read TP all-reduces before gloo finished them.
+    0009), and graph replays read TP all-reduces before gloo finished them.
     With expert parallelism each TP rank sends its share of the tokens
     (MC2). ``vllm serve`` runs it with EP at k = 2
     (tests/server/test_parallel_server.py). Each rank's acceptance is that

@@ -73,7 +73,7 @@ def test_collapsed_mtp_layer_falls_back(prompts, expected):
 
 
 # Caps through the server and a batch mixing them in the scheduler run in CI
-# (tests/server, patch 0014's tests); this engine run in `make nightly`.
+# (tests/server, patch 0012's tests); this engine run in `make nightly`.
 @pytest.mark.heavy
 def test_good_mtp_layer_and_per_request_caps(prompts, expected):
     spec = dict(method="glm4_moe_mtp", num_speculative_tokens=2,

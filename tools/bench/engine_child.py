@@ -28,7 +28,7 @@ from tools.bench.stats import (ACCEPTED, ACCEPTED_PER_POS, DECODE_TIME,
 
 HISTOGRAMS = (DECODE_TIME, )
 RETRIES = 3
-# The speculation watchdog's metrics (vLLM patch 0013): a counter of pauses
+# The speculation watchdog's metrics (vLLM patch 0011): a counter of pauses
 # and a gauge, 1 while speculation is paused.
 PAUSES = "vllm:spec_decode_num_pauses"
 PAUSED = "vllm:spec_decode_paused"
@@ -222,7 +222,7 @@ def _paused(metrics: dict) -> Optional[bool]:
 
 
 def _draft_length_policy(llm):
-    """The scheduler's adaptive draft length policy (vLLM patch 0015,
+    """The scheduler's adaptive draft length policy (vLLM patch 0013,
     ``adaptive_draft_length: true``), or None: without it, or with the
     engine core in another process."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)

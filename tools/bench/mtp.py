@@ -60,7 +60,7 @@ COLLAPSED = "tests.nightly.injections:collapsed_mtp_layer"
 FALLBACK_WINDOW = 32
 VLLM_FALLBACK_WINDOW = 256
 WATCHDOG_OFF = {"fallback_acceptance_floor": 0}
-# --adaptive's --speculative-config key (vLLM patch 0015).
+# --adaptive's --speculative-config key (vLLM patch 0013).
 ADAPTIVE = {"adaptive_draft_length": True}
 # What --adaptive aims at: its tokens/s over the best fixed config's.
 ADAPTIVE_GOAL = 0.95

@@ -88,7 +88,7 @@ class AscendModelRunner(GPUModelRunner):
 
 class NpuModelRunner(AscendModelRunner):
     """On the NPU: its streams, its synchronization and its graphs (vLLM
-    captures them with the platform's wrapper, patch 0012)."""
+    captures them with the platform's wrapper, patch 0010)."""
 
     def __init__(self, vllm_config: VllmConfig, torch_device: torch.device):
         # Before the weights load: they are cast to NZ (ops.weight_format).
