@@ -57,11 +57,13 @@ check-patches: $(STAMP)
 rebase-check: $(STAMP)
 	$(PY) -m tools.dev.rebase_check $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
-# The series check (mostly interpreter start-ups, one core) runs next to the
-# tests; its output follows theirs. Both must pass.
+# The series check (its metadata, vLLM's pinned formatters, and every
+# patch's tests once with the whole series; `make check-patches` runs them at
+# each prefix and alone) runs next to the tests on the other core; its output
+# follows theirs. Both must pass.
 test: $(STAMP) apply
 	@log=$$(mktemp); \
-	$(PY) -m tools.dev.vllm_tree check > $$log 2>&1 & check=$$!; \
+	$(PY) -m tools.dev.vllm_tree check --tip-only > $$log 2>&1 & check=$$!; \
 	$(PY) -m pytest -q --durations=40 -m "not heavy" tests; tests=$$?; \
 	wait $$check; checked=$$?; cat $$log; rm -f $$log; \
 	echo "make test: tests exit $$tests, series check exit $$checked"; \

@@ -37,9 +37,9 @@ MAX_TOKENS = 128
 STARTUP_TIMEOUT = 300
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 
-# About two minutes (the server's start on the double about one, then 72
-# requests): in `make nightly`.
-pytestmark = [pytest.mark.npu, pytest.mark.heavy]
+# About 70 s on a quiet host: the server's start on the double, then 72
+# requests.
+pytestmark = pytest.mark.npu
 
 
 @dataclass

@@ -380,7 +380,12 @@ def cmd_check(args: argparse.Namespace) -> None:
         if failures:
             raise SystemExit("vLLM's pre-commit rejects the series:\n  " +
                              "\n  ".join(failures))
-        if not args.no_tests:
+        if args.no_tests:
+            pass
+        elif args.tip_only:
+            run_tests(tree, sorted({t for p in patches for t in tests_of(p)}),
+                      "with the whole series")
+        else:
             run_prefix_tests(tree, patches)
             if args.alone:
                 run_alone_tests(tree, patches)
@@ -464,6 +469,9 @@ def main() -> None:
                        "metadata and its style")
     check.add_argument("--no-style", action="store_true",
                        help="skip vLLM's pinned formatters and linters")
+    check.add_argument("--tip-only", action="store_true",
+                       help="run every patch's tests once, with the whole "
+                       "series (not at each prefix)")
     check.add_argument("--alone", action="store_true",
                        help="also apply each patch alone on the base and "
                        "run its tests there")
