@@ -94,7 +94,11 @@ def judge_all(tree: Path, patches: list[Path],
         _write(dest, {k: v for k, v in files.items() if v is not None})
 
     ws = rebase_check.prepare(tree, patches, populate, "release")
+    tip = _git(tree, "rev-parse", rebase_check.RELEASE_BRANCH)
     results = rebase_check.run(ws, patches, fmt=None)
+    # Ports are committed on a detached HEAD: the release stays pristine
+    # for the next patch.
+    assert _git(tree, "rev-parse", rebase_check.RELEASE_BRANCH) == tip
     return {r["patch"][:4]: r for r in results}
 
 

@@ -176,7 +176,10 @@ class Workspace:
         return self._cache["\0files"]
 
     def reset(self) -> None:
-        vllm_tree.git("checkout", "-q", "-f", RELEASE_BRANCH, cwd=self.tree)
+        """The pristine release, on a detached HEAD: what is applied or
+        committed next never moves the release branch."""
+        vllm_tree.git("checkout", "-q", "-f", "--detach", RELEASE_BRANCH,
+                      cwd=self.tree)
         vllm_tree.git("reset", "-q", "--hard", RELEASE_BRANCH, cwd=self.tree)
         vllm_tree.git("clean", "-q", "-fdx", cwd=self.tree)
 
@@ -534,7 +537,7 @@ def analyse_hunk(ws: Workspace, fd: FileDiff, hunk: Hunk, pre: str,
               "removed": len(removed)}
     upstream = ws.upstream(fd.path)
     where, region, start = fd.path, None, 1
-    if upstream is None and (new := moved_file(ws, fd.path)):
+    if upstream is None and (new := moved_file(ws, fd.path, pre)):
         where, upstream = new[0], ws.upstream(new[0])
         result["file_moved_to"] = f"{new[0]} ({new[1]})"
     if upstream is not None:
@@ -802,13 +805,13 @@ MOVED: dict[str, tuple[str, Check]] = {
         "vllm/v1/worker/gpu/model_runner.py",
         Check("vllm/v1/worker/gpu/model_runner.py", r"classGPUModelRunner")),
     "vllm/v1/spec_decode/eagle.py": (
-        "vllm/v1/worker/gpu/spec_decode/eagle/speculator.py",
+        "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py",
         Check("vllm/v1/worker/gpu/spec_decode/eagle/speculator.py",
-              r"defpropose\(")),
+              r"classEagleSpeculator\(TargetDependentARSpeculator\)")),
     "vllm/v1/engine/processor.py": (
         "vllm/v1/engine/input_processor.py",
         Check("vllm/v1/engine/input_processor.py",
-              r"def_validate_supported_sampling_params")),
+              r"classInputProcessor:.*def_validate_params\(")),
     "vllm/entrypoints/openai/serving_chat.py": (
         "vllm/entrypoints/openai/chat_completion/serving.py",
         Check("vllm/entrypoints/openai/chat_completion/serving.py",
@@ -824,17 +827,21 @@ MOVED: dict[str, tuple[str, Check]] = {
 }
 
 
-def moved_file(ws: Workspace, path: str) -> tuple[str, str] | None:
+def moved_file(ws: Workspace, path: str,
+               pre: str = "") -> tuple[str, str] | None:
     """(new path, evidence) of a file gone from ``path``: a verified
-    ``MOVED`` entry, else the one release file of the same name."""
+    ``MOVED`` entry, else the one release file of the same name that
+    defines one of the classes or functions the file defined."""
     if path in MOVED:
         new, check = MOVED[path]
         ok, says = _check(ws, check)
         if ok and ws.upstream(new) is not None:
-            return new, f"known move ({says})"
+            return new, "known move, checked"
     same = [f for f in ws.upstream_files()
             if Path(f).name == Path(path).name and not is_test(f)]
-    if len(same) == 1:
+    names = {s.name for s in scopes(pre) if "." not in s.name}
+    if len(same) == 1 and names & {
+            s.name for s in scopes(ws.upstream(same[0]) or "")}:
         return same[0], "the release's only file of that name"
     return None
 
@@ -869,6 +876,12 @@ def ruff_formatter(ws: Workspace, cache: Path) -> Formatter | None:
             root = Path(tmp)
             (root / "pyproject.toml").write_text(settings)
             names = [f for f in texts if f.endswith(".py")]
+            for f in names:
+                # The package the file belongs to, so that the import
+                # sorting knows it as first party (pre/vllm/x.py: vllm).
+                parts = Path(f).parts
+                (root / parts[1 if parts[0] in ("pre", "post") else 0]
+                 ).mkdir(exist_ok=True)
             for f, text in texts.items():
                 (root / f).parent.mkdir(parents=True, exist_ok=True)
                 (root / f).write_text(text)
@@ -920,12 +933,17 @@ def merge3(upstream: str, base: str, ours: str) -> tuple[str, list[str]]:
     return text, left
 
 
-def port(ws: Workspace, patch: Path, fmt: Formatter | None) -> dict:
+def port(ws: Workspace, patch: Path, fmt: Formatter | None,
+         upstream_has: frozenset[str] = frozenset()) -> dict:
     """The patch's change merged onto the release file by file (pre- and
-    post-images in the release's format): {file: {"text" or "problem"}}."""
+    post-images in the release's format): {file: {"text" or "problem"}}.
+    Files in ``upstream_has`` (every hunk already upstream) are left as
+    the release has them."""
     commit = ws.commits[patch.name]
     out = {}
     for fd in parse_patch(patch.read_text(encoding="utf-8")):
+        if fd.path in upstream_has:
+            continue
         pre = ws.show(f"{commit}^", fd.path)
         post = ws.show(commit, fd.path)
         up, target = ws.upstream(fd.path), fd.path
@@ -933,7 +951,7 @@ def port(ws: Workspace, patch: Path, fmt: Formatter | None) -> dict:
             # A test file an earlier patch added: the whole of it.
             pre = None
         elif up is None and pre is not None and (
-                new := moved_file(ws, fd.path)):
+                new := moved_file(ws, fd.path, pre)):
             target, up = new[0], ws.upstream(new[0])
         if fmt is not None:
             texts = {k: v for k, v in (("pre/" + fd.path, pre),
@@ -1028,7 +1046,9 @@ def judge(ws: Workspace, patch: Path, patches: list[Path], index: DefIndex,
         result["how"] = "git am -3 onto the release"
         result["action"] = "send as is"
         return result
-    merged = port(ws, patch, fmt)
+    done = sorted({h["file"] for h in hunks} - {
+        h["file"] for h in hunks if h["state"] != "present"})
+    merged = port(ws, patch, fmt, frozenset(done))
     result["port"] = {f: r.get("problem", "merges")
                       for f, r in merged.items()}
     conflicts = {f: r for f, r in merged.items() if "problem" in r}
@@ -1038,21 +1058,24 @@ def judge(ws: Workspace, patch: Path, patches: list[Path], index: DefIndex,
                          + (f" (ruff {fmt.version})"  # type: ignore
                             if fmt is not None else ""))
         result["action"] = "send the ported patch"
-        done = sorted({h["file"] for h in hunks} - {
-            h["file"] for h in hunks if h["state"] != "present"})
         if done:
             result["how"] += ("; already upstream, left out of the port: "
                               + ", ".join(done))
         result["_merged"] = merged
         return result
-    moved = [h for h in hunks if h.get("moved_to")]
+    moved = [h for h in hunks if h.get("moved_to") or h.get("file_moved_to")]
     if moved:
         result["verdict"] = "moved"
-        places = sorted({f"{h['file']} ({h['function']}) -> "
-                         f"{h['moved_to'][0]['path']}:"
-                         f"{h['moved_to'][0]['line']}"
-                         for h in moved})
+        places = sorted({
+            f"{h['file']} -> {h['file_moved_to']}" if h.get("file_moved_to")
+            else f"{h['file']} ({h['function']}) -> "
+            f"{h['moved_to'][0]['path']}:{h['moved_to'][0]['line']}"
+            for h in moved})
         result["how"] = "; ".join(places)
+        left = [f"{f}: {r['problem']}" for f, r in sorted(conflicts.items())
+                if not any(p.startswith(f) for p in places)]
+        if left:
+            result["how"] += "; also " + "; ".join(left)
         result["action"] = "port the change to the new place(s)"
     else:
         result["verdict"] = "conflicts"
@@ -1085,36 +1108,47 @@ def run_port_tests(ws: Workspace, patch: Path, python: str,
             timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"tests": "timeout", "files": tests}
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    summary = (lines[-1:] if proc.returncode == 0 or not errors
+               else errors[:1] + lines[-1:])
     return {"tests": "pass" if proc.returncode == 0 else "fail",
-            "files": tests, "summary": tail[0] if tail else ""}
+            "files": tests, "summary": " / ".join(summary)[:300]}
 
 
-def test_python(version: str, sdist: Path, cache: Path,
+def test_python(ws: Workspace, version: str, cache: Path,
                 timeout: int = 3600) -> tuple[str | None, str]:
-    """A venv with vLLM ``version`` installed python-only from its sdist
-    (``VLLM_TARGET_DEVICE=empty``, its dependencies from the index), made
-    once under the cache; the ported tree put first on PYTHONPATH shadows
-    its vllm package."""
+    """A venv with the release's runtime requirements (its pinned torch
+    and ``requirements/common.txt``, from the index) and pytest, made once
+    under the cache (tblib: the release's tests/conftest.py imports it):
+    vLLM itself is the ported tree, put first on
+    PYTHONPATH (python-only, nothing to build)."""
     venv = cache / f"vllm-{version}-python-only"
     python = venv / "bin" / "python"
     if (venv / ".complete").exists():
         return str(python), "ready"
+    pins = re.findall(r'"(torch\s*==\s*[^"]+)"',
+                      ws.upstream("pyproject.toml") or "")
+    common = ws.upstream("requirements/common.txt")
+    if not pins or common is None:
+        return None, "the release names no torch pin or common requirements"
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)],
                    check=True)
-    env = dict(os.environ, VLLM_TARGET_DEVICE="empty",
-               SETUPTOOLS_SCM_PRETEND_VERSION=version)
-    try:
-        proc = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", str(sdist),
-             "pytest"], env=env, capture_output=True, text=True,
-            timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, (f"installing vllm {version} python-only took over "
-                      f"{timeout} s")
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs = Path(tmp) / "common.txt"
+        reqs.write_text(common)
+        try:
+            proc = subprocess.run(
+                [str(python), "-m", "pip", "install", "-q",
+                 pins[0].replace(" ", ""), "-r", str(reqs), "pytest",
+                 "tblib"],
+                capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, (f"installing vLLM {version}'s requirements took "
+                          f"over {timeout} s")
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [""])[-1]
-        return None, (f"cannot install vllm {version} python-only: "
+        return None, (f"cannot install vLLM {version}'s requirements: "
                       f"{last[:300]}")
     (venv / ".complete").touch()
     return str(python), "ready"
@@ -1147,6 +1181,15 @@ def table(version: str, sha256: str, results: list[dict],
              "content; generated by `make rebase-check` "
              "(tools/dev/rebase_check.py).", "",
              ", ".join(f"{n} {v}" for v, n in counts.items()), "",
+             "Verdicts: *already upstream*: the release has the change (every "
+             "added line, normalized for formatting, in the same function "
+             "and every removed line gone; or a known supersession whose "
+             "checks of the release's source hold, listed per patch); "
+             "*applies*: `git am -3`, or the three-way merge of the patch "
+             "formatted with the release's pinned ruff, succeeds (hunks "
+             "already upstream left out); *moved*: a file or function the "
+             "patch changes is elsewhere now (the new place is named); "
+             "*conflicts*: the rest, with files and functions.", "",
              "| patch | verdict | evidence | what to do |",
              "|---|---|---|---|"]
     for r in results:
@@ -1221,6 +1264,10 @@ def run(ws: Workspace, patches: list[Path], fmt: Formatter | None,
                 if python is not None:
                     vllm_tree.git("checkout", "-q", rev, cwd=ws.tree)
                     result["tests"] = run_port_tests(ws, patch, python)
+                    if result["tests"]["tests"] == "fail":
+                        result["action"] = (
+                            "fix the port first: its tests fail on the "
+                            "release (see the error)")
         print(f"[{i}/{len(patches)}] {patch.name}: {result['verdict']}",
               flush=True)
         results.append(result)
@@ -1248,7 +1295,10 @@ def main() -> None:
     version, sdist, sha256 = fetch_sdist(args.version, cache)
     print(f"vLLM {version}: {sdist.name} sha256 {sha256}")
     patches = vllm_tree.series_patches(args.series)
-    notes = []
+    shown = args.series.resolve()
+    if shown.is_relative_to(vllm_tree.ROOT):
+        shown = shown.relative_to(vllm_tree.ROOT)
+    notes = [f"Series: the {len(patches)} patches of `{shown}`."]
     with tempfile.TemporaryDirectory() as tmp:
         ws = release_workspace(sdist, Path(tmp) / "vllm", patches)
         fmt = ruff_formatter(ws, cache)
@@ -1258,7 +1308,7 @@ def main() -> None:
         python = None
         if args.run_tests:
             python, state = (args.test_python, "given") \
-                if args.test_python else test_python(version, sdist, cache)
+                if args.test_python else test_python(ws, version, cache)
             if python is None:
                 notes.append(f"Tests not run: {state}.")
         results = run(ws, patches, fmt, python)
