@@ -87,7 +87,8 @@ def make_series(tree: Path, out: Path,
 
 
 def judge_all(tree: Path, patches: list[Path],
-              release: dict[str, str | None]) -> dict[str, dict]:
+              release: dict[str, str | None],
+              fmt=None) -> dict[str, dict]:
     def populate(dest: Path) -> None:
         files = {"pkg/model.py": MODEL, "pkg/config.py": CONFIG}
         files.update(release)
@@ -95,7 +96,7 @@ def judge_all(tree: Path, patches: list[Path],
 
     ws = rebase_check.prepare(tree, patches, populate, "release")
     tip = _git(tree, "rev-parse", rebase_check.RELEASE_BRANCH)
-    results = rebase_check.run(ws, patches, fmt=None)
+    results = rebase_check.run(ws, patches, fmt=fmt)
     # Ports are committed on a detached HEAD: the release stays pristine
     # for the next patch.
     assert _git(tree, "rev-parse", rebase_check.RELEASE_BRANCH) == tip
@@ -226,6 +227,26 @@ def test_conflict_names_file_and_function(base, tmp_path):
     # 0001's conflict.
     assert results["0002"]["verdict"] == "applies"
     assert results["0002"]["hunks"][0]["function"] == "helper"
+
+
+def test_applies_once_formatted_like_the_release(base, tmp_path):
+    patches = make_series(base, tmp_path / "p", [
+        ("[Model] Helper adds two", {"pkg/model.py": MODEL.replace(
+            "return total + 1", "return total + 2")}, "")])
+    # The release reformatted the line next to the patch's: no merge of
+    # the patch as written survives that, one of the patch formatted the
+    # release's way does.
+    split = ("compute_the_total(x)", "compute_the_total(\n        x\n    )")
+
+    def formatter(texts: dict[str, str]) -> dict[str, str]:
+        return {k: v.replace(*split) for k, v in texts.items()}
+
+    r = judge_all(base, patches, {"pkg/model.py": MODEL.replace(*split)},
+                  fmt=formatter)["0001"]
+    assert r["git_am_3"].startswith("fails")
+    assert r["verdict"] == "applies"
+    assert r["how"].startswith("three-way merge in the release's format")
+    assert r["port"] == {"pkg/model.py": "merges"}
 
 
 def test_depends_on_is_applied_first(base, tmp_path):

@@ -39,7 +39,6 @@ import ast
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -1054,9 +1053,9 @@ def judge(ws: Workspace, patch: Path, patches: list[Path], index: DefIndex,
     conflicts = {f: r for f, r in merged.items() if "problem" in r}
     if not conflicts:
         result["verdict"] = "applies"
+        version = getattr(fmt, "version", None)
         result["how"] = ("three-way merge in the release's format"
-                         + (f" (ruff {fmt.version})"  # type: ignore
-                            if fmt is not None else ""))
+                         + (f" (ruff {version})" if version else ""))
         result["action"] = "send the ported patch"
         if done:
             result["how"] += ("; already upstream, left out of the port: "
@@ -1230,10 +1229,11 @@ def table(version: str, sha256: str, results: list[dict],
 def write_upstream(ws: Workspace, results: list[dict], patches: list[Path],
                    out: Path) -> list[str]:
     """The ported patches (``git format-patch``, in series order, each on
-    the pristine release) into ``out``; returns their names."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    the pristine release) into ``out`` with their ``series``; returns their
+    names. Only the patches and the series file there are replaced."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.patch"), out / "series"]:
+        old.unlink(missing_ok=True)
     names = []
     for r in results:
         rev = r.get("_port_commit")
