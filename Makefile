@@ -51,9 +51,10 @@ export:
 check-patches: $(STAMP)
 	$(PY) -m tools.dev.vllm_tree check --alone
 
-# The series on the newest vLLM release on the package index (or
-# VLLM_VERSION=X): per patch applies / already upstream / conflicts, written
-# to patches/rebase-<version>.{json,md}. Needs the index; not in `make test`.
+# Each patch alone on the newest vLLM release on the package index (or
+# VLLM_VERSION=X), compared by content: already upstream (with the upstream
+# change), applies, moved (to where) or conflicts, written to
+# patches/rebase-<version>.{json,md}. Needs the index; not in `make test`.
 rebase-check: $(STAMP)
 	$(PY) -m tools.dev.rebase_check $(if $(VLLM_VERSION),--version $(VLLM_VERSION))
 
