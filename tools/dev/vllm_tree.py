@@ -11,9 +11,11 @@ patches listed in ``patches/vllm/series``, one commit per patch. Subcommands:
 * ``check``: every patch has a ``[Tag]`` subject, a body and
   ``Signed-off-by``; applies on the ones before it; passes vLLM's own
   pre-commit formatters and linters (the versions its config pins) on the
-  files it touches; applies alone on the pristine tag (after the patches it
-  names in ``Depends-on:`` lines) and passes its own tests there; and the
-  whole series passes every patch's tests.
+  files it touches; and each prefix of the series passes the tests its
+  patches add or touch (``--tip-only``: every patch's tests once, with the
+  whole series). With ``--alone``, each patch also applies alone on the
+  pristine tag (after the patches it names in ``Depends-on:`` lines) and
+  passes its own tests there.
 * ``send``: the series for ``git send-email``, authored and signed off by
   the sender's own identity (never a reserved domain).
 
