@@ -252,24 +252,23 @@ class Hunk:
     new_start: int
     lines: list[tuple[str, str]] = field(default_factory=list)
 
-    def added(self) -> list[tuple[int, str]]:
-        """(post-image line number, text) of the added lines."""
-        out, n = [], self.new_start
-        for tag, text in self.lines:
-            if tag == "+":
+    def _numbered(self, tag: str, start: int) -> list[tuple[int, str]]:
+        """(line number on that side, text) of the lines tagged ``tag``:
+        "+" on the post-image, "-" on the pre-image."""
+        other = "-" if tag == "+" else "+"
+        out, n = [], start
+        for line_tag, text in self.lines:
+            if line_tag == tag:
                 out.append((n, text))
-            if tag != "-":
+            if line_tag != other:
                 n += 1
         return out
 
+    def added(self) -> list[tuple[int, str]]:
+        return self._numbered("+", self.new_start)
+
     def removed(self) -> list[tuple[int, str]]:
-        out, n = [], self.old_start
-        for tag, text in self.lines:
-            if tag == "-":
-                out.append((n, text))
-            if tag != "+":
-                n += 1
-        return out
+        return self._numbered("-", self.old_start)
 
     def first_change_old(self) -> int:
         n = self.old_start
